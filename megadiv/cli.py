@@ -1,0 +1,38 @@
+"""``megadiv`` command line: one subcommand per verb, each defined next to the code it drives.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is imported
+only when its verb is used, so ``megadiv --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megadiv.trainer.cli", "run GRPO training from a YAML config (torchrun for several ranks)"),
+    "check-config": ("megadiv.trainer.cli_check", "validate a config with overrides and print it resolved"),
+    "bounds": ("megadiv.divergence.cli", "ratio interval equivalent to a divergence bound delta"),
+    "convert": ("megadiv.models.convert", "convert checkpoints: hf-to-megatron, megatron-to-hf"),
+    "make-tiny-model": ("megadiv.models.tiny", "write a small random Hugging Face checkpoint with a tokenizer"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="megadiv", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for verb, (_, help_text) in COMMANDS.items():
+        sub.add_parser(verb, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.parse_args(argv or ["--help"])  # prints help or the unknown-verb error and exits
+    verb, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[verb][0])
+    sub_parser = argparse.ArgumentParser(prog=f"megadiv {verb}", description=COMMANDS[verb][1])
+    module.add_arguments(sub_parser)
+    return module.run(sub_parser.parse_args(rest)) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Typed run configuration: frozen dataclasses, loaded from YAML with ``key.sub=value`` overrides.
+
+Every component owns one frozen dataclass that validates itself in ``__post_init__``; the
+top-level :class:`Config` holds one of each and checks the combinations (TP must divide the
+attention heads, ...). Everything is checked when the config is loaded, before any process
+group or model exists, and every error names the offending key (with the closest valid key for
+typos)::
+
+    cfg = load_config("examples/tiny/grpo.yaml", ["parallel.tensor_parallel=2"])
+
+Defaults live in code; a YAML file only states what differs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: unknown key, wrong type or impossible combination."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is split. World size = tensor_parallel * pipeline_parallel * context_parallel * DP."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks: each holds 1/TP of every weight matrix and of the vocabulary."""
+    pipeline_parallel: int = 1
+    """Pipeline stages: each holds a contiguous block of layers."""
+    virtual_pipeline: int | None = None
+    """Model chunks per pipeline rank (interleaved 1F1B); None disables interleaving."""
+    context_parallel: int = 1
+    """Context-parallel ranks (sequence split for attention); 1 disables."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the tensor-parallel group (needs tensor_parallel > 1)."""
+    timeout_s: float = 600.0
+    """Timeout of every collective; a dead peer fails the run after this long instead of hanging it."""
+    allow_untested_megatron: bool = False
+    """Let the CPU compatibility layer run on a megatron-core version it was not tested against."""
+
+    def __post_init__(self):
+        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.virtual_pipeline is not None and (self.virtual_pipeline < 1 or self.pipeline_parallel < 2):
+            raise ConfigError("parallel.virtual_pipeline needs pipeline_parallel >= 2 and a value >= 1")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tensor_parallel > 1")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for ``world_size`` ranks; raises ConfigError when the world does not split evenly."""
+        if world_size % self.model_parallel_size:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tensor_parallel * pipeline_parallel * "
+                f"context_parallel = {self.tensor_parallel} * {self.pipeline_parallel} * "
+                f"{self.context_parallel} = {self.model_parallel_size}")
+        return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network. With ``hf_dir`` set, the architecture comes from its config.json and the
+    fields below are ignored; otherwise they describe a randomly initialised model."""
+
+    hf_dir: str | None = None
+    """Hugging Face checkpoint directory (config.json, safetensors, tokenizer)."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Key/value heads (GQA); None means as many as attention heads."""
+    ffn_hidden_size: int = 256
+    vocab_size: int = 128
+    max_position_embeddings: int = 512
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: megatron's local spec (CPU), Transformer Engine (GPU); auto picks."""
+    fp8: Literal["none", "delayed", "tensorwise", "mxfp8", "blockwise"] = "none"
+    """FP8 recipe (Transformer Engine only)."""
+
+    def __post_init__(self):
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                    "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"model.hidden_size {self.hidden_size} is not divisible by "
+                              f"model.num_attention_heads {self.num_attention_heads}")
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"model.num_attention_heads {self.num_attention_heads} is not divisible by "
+                              f"model.num_query_groups {self.num_query_groups}")
+        if self.fp8 != "none" and self.transformer_impl == "local":
+            raise ConfigError("model.fp8 needs model.transformer_impl 'transformer_engine' or 'auto'")
+        if self.hf_dir is not None and not (Path(self.hf_dir) / "config.json").is_file():
+            raise ConfigError(f"model.hf_dir: no config.json in {self.hf_dir}")
+
+    def heads(self) -> tuple[int, int, int]:
+        """(layers, attention heads, key/value heads), read from hf_dir when set."""
+        if self.hf_dir is None:
+            return self.num_layers, self.num_attention_heads, self.num_query_groups or self.num_attention_heads
+        hf = json.loads((Path(self.hf_dir) / "config.json").read_text())
+        heads = hf["num_attention_heads"]
+        return hf["num_hidden_layers"], heads, hf.get("num_key_value_heads") or heads
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    warmup_steps: int = 0
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError("optim.adam_beta1 and optim.adam_beta2 must lie in [0, 1)")
+        if self.clip_grad < 0 or self.warmup_steps < 0:
+            raise ConfigError("optim.clip_grad and optim.warmup_steps must be >= 0")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 1234
+    steps: int = 10
+
+
+@dataclass(frozen=True)
+class Config:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        tp, pp = self.parallel.tensor_parallel, self.parallel.pipeline_parallel
+        layers, heads, kv_heads = self.model.heads()
+        if heads % tp:
+            raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the {heads} attention heads "
+                              f"(model.num_attention_heads)")
+        if kv_heads % tp:
+            raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the {kv_heads} key/value heads "
+                              f"(model.num_query_groups); megatron-core needs one or more KV heads per rank")
+        if layers < pp:
+            raise ConfigError(f"parallel.pipeline_parallel={pp} exceeds the {layers} layers (model.num_layers)")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: type = Config):
+    """Defaults <- YAML file <- ``key.sub=value`` overrides, validated into ``cls``."""
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    return from_dict(cls, data)
+
+
+def from_dict(cls: type, data: dict, prefix: str = "", root: type | None = None):
+    """Build dataclass ``cls`` from a nested dict, checking keys and types; errors name the key.
+    ``root`` is the top-level class, whose keys are searched for typo suggestions."""
+    root = root or cls
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{dotted}'" + _suggestion(dotted, root))
+        kwargs[key] = _coerce(hints[key], value, dotted, root)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key ``cls`` accepts (sections and leaves)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += valid_keys(hints[f.name], f"{prefix}{f.name}.")
+    return keys
+
+
+def _suggestion(dotted: str, root: type) -> str:
+    close = difflib.get_close_matches(dotted, valid_keys(root), n=1, cutoff=0.6)
+    if not close:  # compare the last part alone, e.g. 'parallel.tp_size' -> 'parallel.tensor_parallel'
+        leaf = dotted.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in valid_keys(root)}
+        close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)]
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(tp, value: Any, dotted: str, root: type):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, dotted, root)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{dotted}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{dotted}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{dotted}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(item_tp, v, f"{dotted}[{i}]", root) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value if value is not None else {}, f"{dotted}.", root)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{dotted}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set_dotted(data: dict, dotted: str, value) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value

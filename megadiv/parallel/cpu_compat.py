@@ -1,0 +1,108 @@
+"""Let megatron-core run on a CUDA-less torch (the CPU tier: tests, CI, the tiny demo).
+
+megatron-core assumes a GPU in a handful of places that have nothing to do with the maths:
+scratch buffers and communication outputs allocated on ``torch.cuda.current_device()``, scalars
+created with ``device="cuda"``, ``torch.cuda.synchronize()`` around p2p, and string type checks
+against ``'torch.cuda.FloatTensor'``. This module redirects exactly those to the CPU, and only
+while enabled. It is enabled by :func:`megadiv.parallel.initialize` when
+``torch.cuda.is_available()`` is False, never on a GPU machine, and it logs what it changed once.
+
+Where megatron has a flag that avoids a CUDA call, megadiv sets the flag instead of patching:
+``model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)`` (no CUDA RNG state; fine
+because megadiv trains with dropout 0) and ``batch_p2p_sync=False`` in the model config (no
+``torch.cuda.synchronize()`` after batched p2p). docs/cpu.md lists every patch with the
+megatron-core 0.16.1 lines it addresses.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+# megatron-core releases this layer was run against (full test suite on CPU).
+TESTED_MEGATRON_VERSIONS = ("0.16.1",)
+
+# CPU tensor type -> the CUDA type name megatron's optimizer asserts on.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device='cuda'`` in any torch call to the CPU, and answers ``Tensor.type()`` with
+    the CUDA type name (megatron's optimizers compare ``param.type()`` with
+    ``'torch.cuda.FloatTensor'``; the tensors themselves stay on the CPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _State:
+    mode: _CudaToCpu | None = None
+    saved: dict = {}
+
+
+def enabled() -> bool:
+    return _State.mode is not None
+
+
+def enable(allow_untested: bool = False) -> None:
+    """Switch the layer on (idempotent). Refuses on a machine with CUDA and, unless
+    ``allow_untested``, on a megatron-core version not in TESTED_MEGATRON_VERSIONS."""
+    if enabled():
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megadiv's CPU compatibility layer is for CUDA-less machines only")
+    import megatron.core
+
+    version = megatron.core.__version__
+    if version not in TESTED_MEGATRON_VERSIONS and not allow_untested:
+        raise RuntimeError(
+            f"megatron-core {version} has not been tested with megadiv's CPU compatibility layer "
+            f"(tested: {', '.join(TESTED_MEGATRON_VERSIONS)}); set parallel.allow_untested_megatron=true "
+            f"to try it anyway")
+    _State.saved = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize}
+    # megatron-core utils.py:631, tensor_parallel/mappings.py:91,141,148,181, p2p_communication.py:190-202,
+    # optimizer.py:1141, distrib_optimizer.py:791 allocate on torch.cuda.current_device().
+    torch.cuda.current_device = lambda: "cpu"
+    # pipeline_parallel/p2p_communication.py:242 and :398 synchronise the stream around p2p.
+    torch.cuda.synchronize = lambda device=None: None
+    # pipeline_parallel/schedules.py:596,983,2138; optimizer/optimizer.py:473,481,485,907;
+    # optimizer/clip_grads.py:90,103,115,174,207 create tensors with device="cuda";
+    # optimizer.py:671,690, distrib_optimizer.py:361,420,582, clip_grads.py:167 check param.type().
+    _State.mode = _CudaToCpu()
+    _State.mode.__enter__()
+    log.warning(
+        "megadiv CPU compatibility layer on (megatron-core %s): torch.cuda.current_device() -> 'cpu', "
+        "torch.cuda.synchronize() -> no-op, device='cuda' arguments -> cpu, Tensor.type() reports "
+        "torch.cuda.* names, Tensor.cuda() -> identity. See docs/cpu.md.", version)
+
+
+def disable() -> None:
+    if not enabled():
+        return
+    _State.mode.__exit__(None, None, None)
+    torch.cuda.current_device = _State.saved["current_device"]
+    torch.cuda.synchronize = _State.saved["synchronize"]
+    _State.mode = None

@@ -1,0 +1,124 @@
+"""Initialise torch.distributed from the torchrun environment and megatron-core's parallel state.
+
+``torchrun --nproc_per_node N`` (or ``--nnodes``/``--rdzv_endpoint`` for several nodes) sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; :func:`initialize` reads them, opens the
+default process group (NCCL on GPUs, gloo on CPU) with the config's timeout, and builds
+megatron-core's TP/PP/CP/DP groups. A plain ``python`` process (no torchrun) runs as a world of
+one. Megatron's rank order is tp-cp-ep-dp-pp: TP ranks are adjacent, so a TP group stays on one
+node whenever TP divides the GPUs per node.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megadiv.config import ParallelConfig
+from megadiv.parallel import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this rank sits. Ranks are global; *_rank are positions inside each group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+_INFO: ParallelInfo | None = None
+
+
+def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
+    """Open the process groups for ``cfg`` (idempotent) and seed every RNG megatron uses.
+
+    Raises ConfigError before any group is created if the world does not split as configured.
+    """
+    global _INFO
+    if _INFO is not None:
+        return _INFO
+    from megatron.core import parallel_state, tensor_parallel
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cfg.data_parallel_size(world_size)  # validates divisibility before anything starts
+
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        cpu_compat.enable(allow_untested=cfg.allow_untested_megatron)
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a world of one without torchrun
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_parallel,
+        pipeline_model_parallel_size=cfg.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
+        context_parallel_size=cfg.context_parallel,
+        distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
+    )
+    torch.manual_seed(seed)
+    # inference_rng_tracker: a tracker without CUDA RNG states (CPU); on GPU the regular one.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not use_cuda)
+
+    _INFO = ParallelInfo(
+        rank=rank, world_size=world_size, local_rank=local_rank,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=cfg.tensor_parallel,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=cfg.pipeline_parallel,
+        dp_rank=parallel_state.get_data_parallel_rank(), dp_size=parallel_state.get_data_parallel_world_size(),
+        device=device,
+    )
+    return _INFO
+
+
+def info() -> ParallelInfo:
+    if _INFO is None:
+        raise RuntimeError("megadiv.parallel.initialize() has not been called")
+    return _INFO
+
+
+def shutdown() -> None:
+    """Destroy megatron's groups and the default group; switch the CPU layer off."""
+    global _INFO
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    cpu_compat.disable()
+    _INFO = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

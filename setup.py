@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megadiv",
+    version="0.1.0",
+    description="Megatron-scale GRPO trainer with a unified policy-divergence clipping framework",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megadiv", "megadiv.*"]),
+    package_data={"megadiv": ["data/files/*/*"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "numpy>=1.26",
+        "psutil>=5.9",
+        "pyyaml>=6.0",
+        "safetensors>=0.4",
+        "transformers>=4.51",
+        "math-verify>=0.9",
+        "tensorboard>=2.14",
+        "matplotlib>=3.7",
+        "requests>=2.31",
+        "deepspeed>=0.16",
+    ],
+    extras_require={
+        # GPU tier: CUDA builds only. apex is not on PyPI: build it from NVIDIA's sources.
+        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.5.23"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["megadiv=megadiv.cli:main"]},
+)
