@@ -202,6 +202,7 @@ def from_dict(cls: type, data: dict, prefix: str = "", root: type | None = None)
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in names:
+            dotted = _first_leaf(dotted, value)
             raise ConfigError(f"unknown config key '{dotted}'" + _suggestion(dotted, root))
         kwargs[key] = _coerce(hints[key], value, dotted, root)
     try:
@@ -225,6 +226,14 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(hints[f.name]):
             keys += valid_keys(hints[f.name], f"{prefix}{f.name}.")
     return keys
+
+
+def _first_leaf(dotted: str, value) -> str:
+    """'bogus' with value {'key': 1} -> 'bogus.key': name the key the user actually wrote."""
+    while isinstance(value, dict) and len(value) == 1:
+        (key, value), = value.items()
+        dotted = f"{dotted}.{key}"
+    return dotted
 
 
 def _suggestion(dotted: str, root: type) -> str:
@@ -271,6 +280,11 @@ def _coerce(tp, value: Any, dotted: str, root: type):
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-6 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{dotted}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value

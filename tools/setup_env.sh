@@ -11,7 +11,8 @@ if [ -f "$VENV/.megadiv-stamp" ] && [ "$(cat "$VENV/.megadiv-stamp")" = "$stamp_
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# pip, without the find-links notices this machine's pip configuration prints for every package
+pip() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 pip install -q --upgrade pip setuptools wheel
 echo "[setup] torch 2.13.0 (CPU build)"
 pip install -q torch==2.13.0

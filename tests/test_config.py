@@ -1,0 +1,105 @@
+"""Config loading: YAML + overrides into frozen dataclasses; every error names its key."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megadiv.config import Config, ConfigError, load_config, valid_keys
+
+
+@pytest.fixture
+def yaml_file(tmp_path):
+    def write(text: str):
+        path = tmp_path / "cfg.yaml"
+        path.write_text(textwrap.dedent(text))
+        return path
+    return write
+
+
+def test_defaults_file_and_overrides_compose(yaml_file):
+    path = yaml_file("""
+        parallel: {tensor_parallel: 2}
+        optim:
+          lr: 1.0e-5
+    """)
+    cfg = load_config(path, ["optim.lr=3e-6", "run.steps=7", "model.num_query_groups=2"])
+    assert cfg.parallel.tensor_parallel == 2 and cfg.parallel.pipeline_parallel == 1
+    assert cfg.optim.lr == pytest.approx(3e-6) and cfg.run.steps == 7 and cfg.model.num_query_groups == 2
+    assert isinstance(cfg, Config)
+    with pytest.raises(Exception):
+        cfg.optim.lr = 1.0  # frozen
+
+
+def test_ints_are_accepted_for_floats_but_not_strings():
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    with pytest.raises(ConfigError, match="optim.lr: expected float"):
+        load_config(None, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel: expected int"):
+        load_config(None, ["parallel.tensor_parallel=true"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("bogus.key=1", "unknown config key 'bogus.key'"),
+    ("parallel.tensor_paralel=2", "did you mean 'parallel.tensor_parallel'"),
+    ("optim.learning_rate=1", "unknown config key 'optim.learning_rate'"),
+    ("model.fp8=e4m3", "model.fp8: 'e4m3' is not one of"),
+    ("noequals", "key.sub=value"),
+])
+def test_bad_keys_and_values_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.tensor_parallel=3"], "does not divide the 4 attention heads"),
+    (["parallel.tensor_parallel=4", "model.num_query_groups=2"], "does not divide the 2 key/value heads"),
+    (["parallel.pipeline_parallel=3"], "exceeds the 2 layers"),
+    (["parallel.sequence_parallel=true"], "sequence_parallel needs"),
+    (["model.hidden_size=66"], "not divisible by model.num_attention_heads"),
+    (["optim.min_lr=1.0"], "min_lr <= lr"),
+])
+def test_impossible_combinations_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_world_size_must_split_into_model_parallel_groups():
+    cfg = load_config(None, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"])
+    assert cfg.parallel.data_parallel_size(8) == 2
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        cfg.parallel.data_parallel_size(6)
+
+
+def test_hf_dir_supplies_the_head_counts(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 9, "num_key_value_heads": 3, '
+                                          '"num_hidden_layers": 30}')
+    assert load_config(None, [f"model.hf_dir={tmp_path}", "parallel.tensor_parallel=3"]).model.heads() == (30, 9, 3)
+    with pytest.raises(ConfigError, match="does not divide the 9 attention heads"):
+        load_config(None, [f"model.hf_dir={tmp_path}", "parallel.tensor_parallel=2"])
+
+
+def test_valid_keys_lists_sections_and_leaves():
+    keys = valid_keys()
+    assert "parallel" in keys and "parallel.tensor_parallel" in keys and "optim.lr" in keys
+
+
+def _megadiv(*args):
+    return subprocess.run([sys.executable, "-m", "megadiv.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_train_rejects_bad_config_before_starting_anything(yaml_file):
+    path = yaml_file("run: {steps: 1}\n")
+    bad_key = _megadiv("train", str(path), "bogus.key=1")
+    assert bad_key.returncode != 0 and "bogus.key" in bad_key.stderr
+    bad_tp = _megadiv("train", str(path), "parallel.tensor_parallel=3", "--nproc", "3")
+    assert bad_tp.returncode != 0 and "attention heads" in bad_tp.stderr
+    bad_world = _megadiv("train", str(path), "parallel.tensor_parallel=2", "--nproc", "3")
+    assert bad_world.returncode != 0 and "world size 3" in bad_world.stderr
+
+
+def test_cli_help_lists_the_verbs():
+    out = _megadiv("--help")
+    assert out.returncode == 0
+    for verb in ("train", "check-config", "bounds", "convert"):
+        assert verb in out.stdout
