@@ -1,0 +1,95 @@
+"""Per-token divergence measures of the sampled token (see docs/divergences.md).
+
+With t = logp - logp_base = log w (w = p / p_base, tokens sampled from the base policy), the
+ratio measures are Schulman's estimators of KL(base || current) and the plain ratio deviation:
+
+    ratio       |w - 1|                 PPO's trust region is |w - 1| <= eps
+    k1          -log w                  unbiased, high variance, can be negative
+    k2          (log w)^2 / 2           symmetric in log space
+    k3          (w - 1) - log w         unbiased, >= 0, low variance ("low_var_kl")
+    reverse_k3  (1/w - 1) + log w       k3 of 1/w: the estimator of KL(current || base)
+
+All are written in t with expm1 so that they stay accurate (relative error ~1e-16) for
+|t| -> 0, where w - 1 and log w cancel. ``sampled_prob_l2`` is GBMPO's published per-token
+Bregman term (p - p_base)^2, which depends on p_base as well as on w.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megadiv.divergence.registry import RatioDivergence, TokenDivergence, register_divergence
+from megadiv.divergence.roots import lambert_w
+
+
+@register_divergence("ratio")
+class Ratio(RatioDivergence):
+    """|w - 1|: with delta = eps this is PPO's clip range [1 - eps, 1 + eps]."""
+
+    def of_log_ratio(self, t):
+        return torch.expm1(t).abs()
+
+    def ratio_interval(self, delta):
+        return max(0.0, 1.0 - delta), 1.0 + delta
+
+
+@register_divergence("k1")
+class K1(RatioDivergence):
+    """-log w. One-sided as a trust region: -log w <= delta <=> w >= e^-delta."""
+
+    def of_log_ratio(self, t):
+        return -t
+
+    def ratio_interval(self, delta):
+        return math.exp(-delta), math.inf
+
+
+@register_divergence("k2")
+class K2(RatioDivergence):
+    """(log w)^2 / 2 <= delta <=> |log w| <= s = sqrt(2 delta) <=> w in [e^-s, e^s]."""
+
+    def of_log_ratio(self, t):
+        return 0.5 * t * t
+
+    def ratio_interval(self, delta):
+        s = math.sqrt(2.0 * delta)
+        return math.exp(-s), math.exp(s)
+
+
+@register_divergence("k3")
+class K3(RatioDivergence):
+    """(w - 1) - log w = expm1(t) - t.
+
+    k3(w) = delta <=> log w - w = -1 - delta <=> (-w) e^(-w) = -e^(-1-delta), so the two roots are
+    w = -W_0(-e^(-1-delta)) < 1 and w = -W_-1(-e^(-1-delta)) > 1 (Lambert W branches 0 and -1).
+    """
+
+    def of_log_ratio(self, t):
+        return torch.expm1(t) - t
+
+    def ratio_interval(self, delta):
+        x = -math.exp(-1.0 - delta)
+        return -lambert_w(x, 0), -lambert_w(x, -1)
+
+
+@register_divergence("reverse_k3")
+class ReverseK3(RatioDivergence):
+    """k3(1/w) = (1/w - 1) + log w = expm1(-t) + t; interval [1/u, 1/l] from k3's [l, u]."""
+
+    def of_log_ratio(self, t):
+        return torch.expm1(-t) + t
+
+    def ratio_interval(self, delta):
+        low, high = K3().ratio_interval(delta)
+        return 1.0 / high, 1.0 / low
+
+
+@register_divergence("sampled_prob_l2")
+class SampledProbL2(TokenDivergence):
+    """(p - p_base)^2 of the sampled token, p = exp(logp): the Bregman divergence of phi(p) = p^2
+    restricted to one coordinate, as GBMPO's code applies it (coefficient ~1e-4 against the
+    reference). Not a function of w alone: (p - p_base)^2 = p_base^2 (w - 1)^2."""
+
+    def forward(self, logp, logp_base):
+        return (torch.exp(logp) - torch.exp(logp_base)).square()
