@@ -1,0 +1,20 @@
+"""Datasets, prompt templates and prompt sampling.
+
+- :func:`load_dataset` (registry :data:`DATASETS`, :func:`register_dataset`): GSM8K, MATH-500,
+  AIME 2024/2025, MBPP (+ sanitized), the synthetic arithmetic task, and user JSONL files; row
+  counts are checked on every load.
+- :class:`PromptTemplate`: chat or plain templates that state the answer format.
+- :class:`PromptSampler` / :func:`shard`: deterministic epoch shuffles split across DP ranks.
+
+Imports nothing from the rest of megadiv.
+"""
+from megadiv.data.config import DataConfig
+from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset,
+                                   register_dataset)
+from megadiv.data.arithmetic import char_tokenizer  # noqa: E402  (also registers "arithmetic")
+from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
+from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
+
+__all__ = ["DATASETS", "DataConfig", "Dataset", "DatasetError", "DatasetSpec", "INSTRUCTIONS", "PromptSampler",
+           "PromptTemplate", "Record", "char_tokenizer", "epoch_permutation", "load_dataset", "problem_text",
+           "register_dataset", "shard"]

@@ -1,0 +1,80 @@
+"""DataConfig: which dataset and split, how prompts are rendered, and how they are shuffled."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+TemplateName = Literal["auto", "chat", "plain", "raw"]
+AnswerFormat = Literal["default", "boxed", "hash", "code", "none"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """One dataset split as the trainer consumes it. A run usually holds two: training and held-out."""
+
+    name: str = "gsm8k"
+    """Registry name: gsm8k, math500, aime24, aime25, mbpp, mbpp_sanitized, arithmetic, jsonl, or one
+    added with ``megadiv.data.register_dataset``."""
+    split: str = "train"
+    """Split of that dataset (gsm8k: train/test; mbpp: prompt/test/validation/train/all; ...)."""
+    seed: int = 1234
+    """Seed of the epoch shuffles (``PromptSampler``)."""
+    shuffle: bool = True
+    """Shuffle every epoch; False keeps file order (evaluation)."""
+    template: TemplateName = "auto"
+    """auto: the tokenizer's chat template when it has one, else plain; chat: require one;
+    plain: 'Question: ...\\nAnswer:'; raw: the problem text alone (the synthetic task)."""
+    answer_format: AnswerFormat = "default"
+    """Answer format the prompt asks for: boxed (\\boxed{...}), hash (#### ...), code (a ```python
+    block), none; default takes the dataset's own."""
+    system_prompt: Optional[str] = None
+    """System message for chat templates (None: no system message)."""
+    max_items: Optional[int] = None
+    """Keep only the first N records of the split (after loading, before shuffling)."""
+
+    # jsonl: a user's own file, one JSON object per line.
+    path: Optional[str] = None
+    """jsonl: path of the file."""
+    prompt_field: str = "prompt"
+    """jsonl: field holding the problem text."""
+    answer_field: Optional[str] = "answer"
+    """jsonl: field holding the gold answer (math / exact match), or None."""
+    tests_field: Optional[str] = None
+    """jsonl: field holding a list of assert statements (code), or None."""
+    id_field: Optional[str] = None
+    """jsonl: field holding a record id; None numbers the lines."""
+    expected_rows: Optional[int] = None
+    """jsonl: row count the file must have (checked on load); None skips the check."""
+
+    # arithmetic: the synthetic task 'a+b=' for small demos.
+    arithmetic_digits: int = 2
+    """Digits per operand: operands are drawn from [0, 10**digits)."""
+    arithmetic_operands: int = 2
+    """Operands per problem (2 gives 'a+b=')."""
+    arithmetic_test_size: int = 500
+    """Held-out problems; fixed by arithmetic_seed, independent of the sizes of the train split."""
+    arithmetic_train_size: Optional[int] = None
+    """Training problems, disjoint from the held-out ones; None: every remaining problem."""
+    arithmetic_seed: int = 0
+    """Seed that fixes the problem sets (the shuffle seed is ``seed``)."""
+
+    def __post_init__(self):
+        _check(bool(self.name), "name", "must be non-empty")
+        _check(bool(self.split), "split", "must be non-empty")
+        _check(self.max_items is None or self.max_items >= 1, "max_items", f"must be >= 1, got {self.max_items}")
+        _check(self.expected_rows is None or self.expected_rows >= 0, "expected_rows",
+               f"must be >= 0, got {self.expected_rows}")
+        _check(self.name != "jsonl" or bool(self.path), "path", "is required when name is 'jsonl'")
+        _check(self.name != "jsonl" or self.answer_field is not None or self.tests_field is not None,
+               "answer_field", "jsonl needs answer_field or tests_field")
+        _check(1 <= self.arithmetic_digits <= 9, "arithmetic_digits", f"must lie in [1, 9], got {self.arithmetic_digits}")
+        _check(2 <= self.arithmetic_operands <= 8, "arithmetic_operands",
+               f"must lie in [2, 8], got {self.arithmetic_operands}")
+        _check(self.arithmetic_test_size >= 1, "arithmetic_test_size", f"must be >= 1, got {self.arithmetic_test_size}")
+        _check(self.arithmetic_train_size is None or self.arithmetic_train_size >= 1, "arithmetic_train_size",
+               f"must be >= 1, got {self.arithmetic_train_size}")
+
+
+def _check(ok: bool, key: str, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"data.{key} {reason}")

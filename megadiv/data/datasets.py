@@ -1,0 +1,224 @@
+"""Datasets: one record type, a registry of loaders, row counts checked on every load.
+
+A loader turns a :class:`DataConfig` into records; :func:`load_dataset` looks the name up, checks
+the split and the number of rows against what the registry entry expects, and trims to
+``max_items``. The shipped files live in ``files/<dataset>/`` with their licenses (SOURCES.md)::
+
+    ds = load_dataset(DataConfig(name="gsm8k", split="test"))   # 1,319 records, or DatasetError
+
+A user's own data is a JSONL file plus a config entry (``name: jsonl``, ``path``, field names),
+or a Python loader added with :func:`register_dataset`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from megadiv.data.config import DataConfig
+
+FILES = Path(__file__).resolve().parent / "files"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used as configured: unknown name or split, wrong row count, bad field."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One problem. Math and exact-match tasks carry ``answer``; code tasks carry ``tests``."""
+
+    id: str
+    prompt: str
+    """The problem statement, before any template."""
+    answer: Optional[str] = None
+    """Gold final answer (a number or a LaTeX expression, without \\boxed)."""
+    tests: tuple[str, ...] = ()
+    """Assert statements a program must pass (code tasks)."""
+    test_setup: str = ""
+    """Code run after the program and before the tests (MBPP test_setup_code, test imports)."""
+    solution: Optional[str] = None
+    """Reference solution: worked text (GSM8K, MATH) or a program (MBPP)."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The records of one split, in file order, and the answer format its prompts ask for."""
+
+    name: str
+    split: str
+    records: tuple[Record, ...]
+    answer_format: str
+    """boxed, hash, code or none: what the prompt template asks the model to write."""
+    reward: str
+    """Name of the reward this dataset is meant for (``megadiv.rewards.build_reward``)."""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> Record:
+        return self.records[i]
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+
+Loader = Callable[[DataConfig], list[Record]]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registry entry: how to load a split, how many rows each split must have, its defaults."""
+
+    loader: Loader
+    splits: dict[str, Optional[int]]
+    """Split name -> expected row count (None: not fixed, e.g. depends on the config)."""
+    answer_format: str
+    reward: str
+    description: str = ""
+    any_split: bool = False
+    """Accept any split name (user files, whose only split is the file itself)."""
+
+
+DATASETS: dict[str, DatasetSpec] = {}
+
+
+def register_dataset(name: str, spec: DatasetSpec, *, overwrite: bool = False) -> None:
+    """Add a dataset under ``name`` (a ``DataConfig.name``)."""
+    if name in DATASETS and not overwrite:
+        raise DatasetError(f"dataset {name!r} is already registered (pass overwrite=True to replace it)")
+    DATASETS[name] = spec
+
+
+def load_dataset(cfg: DataConfig) -> Dataset:
+    """Load ``cfg.split`` of ``cfg.name`` and check its row count; raises DatasetError with the reason."""
+    spec = DATASETS.get(cfg.name)
+    if spec is None:
+        raise DatasetError(f"data.name: unknown dataset {cfg.name!r}; registered: {sorted(DATASETS)}")
+    if cfg.split not in spec.splits and not spec.any_split:
+        raise DatasetError(f"data.split: {cfg.name} has no split {cfg.split!r}; splits: {sorted(spec.splits)}")
+    records = spec.loader(cfg)
+    expected = cfg.expected_rows if spec.any_split else spec.splits[cfg.split]
+    _check_rows(f"{cfg.name}/{cfg.split}", len(records), expected)
+    ids = [r.id for r in records]
+    if len(set(ids)) != len(ids):
+        raise DatasetError(f"{cfg.name}/{cfg.split}: record ids are not unique")
+    if cfg.max_items is not None:
+        records = records[: cfg.max_items]
+    answer_format = spec.answer_format if cfg.answer_format == "default" else cfg.answer_format
+    return Dataset(cfg.name, cfg.split, tuple(records), answer_format, spec.reward)
+
+
+def _check_rows(what: str, found: int, expected: Optional[int]) -> None:
+    if expected is not None and found != expected:
+        raise DatasetError(f"{what}: expected {expected} rows, found {found}; the data file is incomplete "
+                           f"or not the one documented in megadiv/data/files/SOURCES.md")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Parse a JSON-lines file (blank lines skipped); errors name the file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}:{n}: not valid JSON ({e})") from e
+    return rows
+
+
+# --------------------------------------------------------------------------- shipped datasets
+
+
+def _gsm8k(cfg: DataConfig) -> list[Record]:
+    # Each answer is worked text ending in "#### <number>"; the number may carry thousands commas.
+    rows = read_jsonl(FILES / "gsm8k" / f"{cfg.split}.jsonl")
+    return [Record(id=f"gsm8k/{cfg.split}/{i}", prompt=r["question"],
+                   answer=r["answer"].rsplit("####", 1)[1].strip().replace(",", ""), solution=r["answer"])
+            for i, r in enumerate(rows)]
+
+
+def _math500(cfg: DataConfig) -> list[Record]:
+    return [Record(id=f"math500/{r['unique_id']}", prompt=r["problem"], answer=r["answer"], solution=r["solution"])
+            for r in read_jsonl(FILES / "math500" / "test.jsonl")]
+
+
+def _aime(year: str) -> Loader:
+    def load(cfg: DataConfig) -> list[Record]:
+        # AIME 2024 rows carry an id and a solution; the 2025 file has only problem and answer.
+        rows = read_jsonl(FILES / f"aime{year}" / "test.jsonl")
+        return [Record(id=f"aime{year}/{r.get('id', i)}", prompt=r["problem"], answer=str(r["answer"]),
+                       solution=r.get("solution")) for i, r in enumerate(rows)]
+    return load
+
+
+# Standard MBPP split by task id (Austin et al. 2021): inclusive ranges.
+MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "train": (601, 974),
+               "all": (1, 974)}
+
+
+def _mbpp_split(rows: list[dict], split: str, total: int, what: str) -> list[dict]:
+    _check_rows(what, len(rows), total)  # the whole file first: a truncated file must not pass as a split
+    lo, hi = MBPP_SPLITS[split]
+    return [r for r in rows if lo <= r["task_id"] <= hi]
+
+
+def _mbpp(cfg: DataConfig) -> list[Record]:
+    rows = _mbpp_split(read_jsonl(FILES / "mbpp" / "mbpp.jsonl"), cfg.split, 974, "mbpp file")
+    return [Record(id=f"mbpp/{r['task_id']}", prompt=r["text"], tests=tuple(r["test_list"]),
+                   test_setup=r["test_setup_code"], solution=r["code"]) for r in rows]
+
+
+def _mbpp_sanitized(cfg: DataConfig) -> list[Record]:
+    with open(FILES / "mbpp" / "sanitized-mbpp.json", encoding="utf-8") as f:
+        rows = _mbpp_split(json.load(f), cfg.split, 427, "mbpp_sanitized file")
+    return [Record(id=f"mbpp_sanitized/{r['task_id']}", prompt=r["prompt"], tests=tuple(r["test_list"]),
+                   test_setup="\n".join(r["test_imports"]), solution=r["code"]) for r in rows]
+
+
+def _jsonl(cfg: DataConfig) -> list[Record]:
+    path = Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"data.path: no such file {path}")
+    records = []
+    for n, row in enumerate(read_jsonl(path)):
+        def get(key: Optional[str], kinds: tuple[type, ...]):
+            if key is None:
+                return None
+            if key not in row:
+                raise DatasetError(f"{path}: row {n} has no field {key!r} (fields: {sorted(row)})")
+            if not isinstance(row[key], kinds):
+                raise DatasetError(f"{path}: row {n} field {key!r} is {type(row[key]).__name__}, expected "
+                                   + " or ".join(k.__name__ for k in kinds))
+            return row[key]
+        answer = get(cfg.answer_field, (str, int, float))
+        tests = get(cfg.tests_field, (list,))
+        records.append(Record(id=str(get(cfg.id_field, (str, int)) if cfg.id_field else n),
+                              prompt=get(cfg.prompt_field, (str,)), answer=None if answer is None else str(answer),
+                              tests=tuple(tests or ())))
+    return records
+
+
+def _register_builtins() -> None:
+    builtins = {
+        "gsm8k": DatasetSpec(_gsm8k, {"train": 7473, "test": 1319}, "hash", "math",
+                             "Grade-school maths word problems (Cobbe et al. 2021)"),
+        "math500": DatasetSpec(_math500, {"test": 500}, "boxed", "math",
+                               "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)"),
+        "aime24": DatasetSpec(_aime("24"), {"test": 30}, "boxed", "math", "AIME 2024 I and II"),
+        "aime25": DatasetSpec(_aime("25"), {"test": 30}, "boxed", "math", "AIME 2025 I and II"),
+        "mbpp": DatasetSpec(_mbpp, {"prompt": 10, "test": 500, "validation": 90, "train": 374, "all": 974},
+                            "code", "code", "Mostly Basic Python Problems (Austin et al. 2021)"),
+        "mbpp_sanitized": DatasetSpec(_mbpp_sanitized,
+                                      {"prompt": 7, "test": 257, "validation": 43, "train": 120, "all": 427},
+                                      "code", "code", "Hand-verified MBPP subset"),
+        "jsonl": DatasetSpec(_jsonl, {}, "boxed", "math", "A user's JSON-lines file", any_split=True),
+    }
+    for name, spec in builtins.items():
+        register_dataset(name, spec)
+
+
+_register_builtins()
+
