@@ -1,0 +1,20 @@
+"""Rollout engines: generate completions with log-probs, and receive the trainer's weights.
+
+- engine.py: the protocol (generate / score / update_weights / pause / resume / weight_version /
+  shutdown), its result types, errors, the log-prob convention, and ``make_engine``
+- config.py: ``RolloutConfig`` (the ``rollout`` section of the run config)
+- embedded.py: transformers in the trainer process (small models, CPU default)
+- sglang_engine.py, sglang_server.py, weight_sync.py: SGLang servers, launched or attached, and
+  weight sync by process-group broadcast, CUDA-IPC handles or disk
+- mismatch.py: the post-sync log-prob check against the trainer
+- sglang_cpu/: stand-in modules for SGLang's CPU server process only (see its README)
+
+See docs/rollout.md.
+"""
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.engine import (Bucket, Completion, RolloutEngine, RolloutError, SamplingParams, SyncReport,
+                                    WeightSyncError, make_engine, resolve_engine_name)
+from megadiv.rollout.mismatch import MismatchReport, ProbeBatch, check_mismatch
+
+__all__ = ["Bucket", "Completion", "MismatchReport", "ProbeBatch", "RolloutConfig", "RolloutEngine", "RolloutError",
+           "SamplingParams", "SyncReport", "WeightSyncError", "check_mismatch", "make_engine", "resolve_engine_name"]

@@ -1,0 +1,100 @@
+"""RolloutConfig: which engine generates, how it samples, and how the trainer's weights reach it.
+
+Light on purpose (no torch import): megadiv.config loads it with the rest of the run config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megadiv.config import ConfigError
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engine section (``rollout.*``). Validated on construction; errors name the key."""
+
+    engine: Literal["auto", "embedded", "sglang"] = "auto"
+    """``embedded`` (transformers in the trainer process), ``sglang`` (server processes), or
+    ``auto``: SGLang when CUDA and sglang are available, embedded otherwise (the CPU default)."""
+
+    # -- sampling defaults (megadiv.rollout.SamplingParams.from_config) --
+    n_samples: int = 8
+    """Completions per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy. Log-probs are of softmax(logits / T) (docs/rollout.md)."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a completion besides the model's EOS tokens; the stop token is kept."""
+
+    # -- SGLang servers --
+    server_urls: tuple[str, ...] = ()
+    """Attach to these running servers (``http://host:port``, any node) instead of launching one."""
+    server_tp: int = 1
+    """Tensor-parallel size of a launched server (GPU only; CPU servers run TP=1)."""
+    mem_fraction_static: float = 0.8
+    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only)."""
+    server_args: tuple[str, ...] = ()
+    """Extra ``sglang.launch_server`` flags for a launched server, e.g. ("--max-running-requests", "64")."""
+    log_dir: str | None = None
+    """Where a launched server writes its log; None: a temporary directory (path logged)."""
+    startup_timeout_s: float = 600.0
+    """Limit for a launched server to answer /health (CPU start-up: 20-80 s)."""
+    request_timeout_s: float = 1800.0
+    """Limit for one generate/score HTTP request (a whole batch of completions)."""
+    shutdown_grace_s: float = 10.0
+    """SIGTERM -> SIGKILL grace period when stopping a launched server."""
+
+    # -- weight sync --
+    sync_method: Literal["distributed", "tensor", "disk"] = "distributed"
+    """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU);
+    tensor: shared-memory / CUDA-IPC handles (servers on the trainer's machine only);
+    disk: safetensors in ``sync_dir`` (servers must see that directory)."""
+    bucket_bytes: int = 512 << 20
+    """Bytes per weight bucket (one broadcast / one request); bigger is faster, smaller uses less memory."""
+    sync_timeout_s: float = 600.0
+    """Limit for one weight sync (every HTTP call and every collective in it)."""
+    sync_dir: str | None = None
+    """Directory for disk syncs; None: a temporary directory (single-node only)."""
+    check_weight_names: bool = True
+    """Check every pushed tensor's name and shape against the served checkpoint before sending
+    (SGLang silently ignores unknown names). Skipped when the checkpoint is not readable here."""
+
+    # -- mismatch check --
+    mismatch_threshold: float = 0.05
+    """Largest allowed mean |engine log-prob - trainer log-prob| over the probe tokens after a sync;
+    above it the sync raises (a stale or corrupted weight moves this by O(1))."""
+    probe_prompts: int = 4
+    probe_prompt_len: int = 16
+    probe_response_len: int = 16
+
+    def __post_init__(self):
+        def fail(key: str, why: str):
+            raise ConfigError(f"rollout.{key} {why}, got {getattr(self, key)!r}")
+
+        for key in ("n_samples", "max_new_tokens", "server_tp", "bucket_bytes", "probe_prompts",
+                    "probe_prompt_len", "probe_response_len"):
+            if getattr(self, key) < 1:
+                fail(key, "must be >= 1")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must lie in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            fail("top_k", "must be -1 (disabled) or >= 1")
+        if any(t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be token ids >= 0")
+        if not 0 < self.mem_fraction_static < 1:
+            fail("mem_fraction_static", "must lie in (0, 1)")
+        for key in ("startup_timeout_s", "request_timeout_s", "shutdown_grace_s", "sync_timeout_s",
+                    "mismatch_threshold"):
+            if getattr(self, key) <= 0:
+                fail(key, "must be > 0")
+        for url in self.server_urls:
+            if not url.startswith(("http://", "https://")):
+                fail("server_urls", f"entries must start with http:// or https:// ({url!r} does not)")
+        if self.server_urls and self.engine == "embedded":
+            fail("server_urls", "are only used by engine 'sglang' (engine is 'embedded')")

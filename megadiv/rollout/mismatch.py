@@ -1,0 +1,73 @@
+"""Did the weights arrive? Compare the engine's log-probs of a fixed probe batch with the trainer's.
+
+After every sync the engine scores the same probe tokens the trainer scores with its own model::
+
+    probe = ProbeBatch.random(vocab_size, cfg.rollout, seed=0)           # fixed for the run
+    trainer_lp = trainer_logprobs(probe)                                # [len(response)] per pair
+    report = check_mismatch(engine, probe, trainer_lp, cfg.rollout.mismatch_threshold, version)
+
+Both sides use log_softmax(logits / T) at the same T (1 by default). With identical weights the
+difference is numerical noise (float32: ~1e-6; bf16: ~1e-2); a stale, missing or misnamed tensor
+moves it by O(1), and the threshold turns that silent corruption into an error.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.engine import RolloutEngine, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    prompts: list[list[int]]
+    responses: list[list[int]]
+
+    @classmethod
+    def random(cls, vocab_size: int, cfg: RolloutConfig, seed: int = 0) -> ProbeBatch:
+        """cfg.probe_prompts pairs of uniformly random tokens (a fixed seed: the same every sync)."""
+        g = torch.Generator().manual_seed(seed)
+        draw = lambda n: torch.randint(0, vocab_size, (n,), generator=g).tolist()  # noqa: E731
+        return cls([draw(cfg.probe_prompt_len) for _ in range(cfg.probe_prompts)],
+                   [draw(cfg.probe_response_len) for _ in range(cfg.probe_prompts)])
+
+
+@dataclass(frozen=True)
+class MismatchReport:
+    version: str
+    mean_abs: float
+    """mean over probe tokens of |engine log-prob - trainer log-prob| (the thresholded figure)."""
+    max_abs: float
+    tokens: int
+
+
+TrainerLogprobs = Sequence[torch.Tensor] | Callable[[ProbeBatch], Sequence[torch.Tensor]]
+
+
+def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLogprobs, threshold: float,
+                   version: str, temperature: float = 1.0) -> MismatchReport:
+    """Score ``probe`` with the engine, compare with the trainer's log-probs (a list of
+    [len(response)] tensors, or a callable producing it); log the figures; raise WeightSyncError
+    when the mean absolute difference exceeds ``threshold``."""
+    expected = trainer(probe) if callable(trainer) else trainer
+    got = engine.score(probe.prompts, probe.responses, temperature=temperature)
+    if len(expected) != len(got) or any(e.numel() != g.numel() for e, g in zip(expected, got)):
+        raise ValueError(f"trainer log-probs have shapes {[tuple(e.shape) for e in expected]}, the probe's "
+                         f"responses {[len(r) for r in probe.responses]}")
+    diff = torch.cat([(g.double().flatten() - e.detach().double().cpu().flatten()).abs()
+                      for e, g in zip(expected, got)])
+    report = MismatchReport(version, float(diff.mean()), float(diff.max()), diff.numel())
+    log.info("log-prob mismatch after sync %s: mean |d| %.3g, max |d| %.3g over %d probe tokens", version,
+             report.mean_abs, report.max_abs, report.tokens)
+    if not report.mean_abs <= threshold:  # NaN fails too
+        raise WeightSyncError(f"after weight sync {version!r}: the engine's log-probs differ from the trainer's by "
+                              f"mean {report.mean_abs:.3g} (max {report.max_abs:.3g}) over {report.tokens} probe "
+                              f"tokens, above rollout.mismatch_threshold={threshold}: the engine is not serving "
+                              f"the trainer's weights (stale, missing or misnamed tensors?)")
+    return report

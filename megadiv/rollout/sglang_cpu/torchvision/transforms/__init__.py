@@ -1,0 +1,3 @@
+from torchvision import ImageReadMode, InterpolationMode, unavailable  # noqa: F401
+
+__getattr__ = unavailable("torchvision.transforms")

@@ -1,0 +1,281 @@
+"""SGLangEngine: the rollout protocol over SGLang HTTP servers, launched here or already running.
+
+    engine = SGLangEngine(hf_dir, RolloutConfig(engine="sglang"))                 # launches one
+    engine = SGLangEngine(hf_dir, RolloutConfig(engine="sglang",
+                                                server_urls=("http://node7:30000", "http://node8:30000")))
+
+Prompts are spread over the servers in contiguous slices (each prompt repeated n times, so the
+order of completions is exact); requests run concurrently, one thread per server.
+
+A weight sync (update_weights) sends every bucket to every server, by one of three methods:
+
+- distributed: each bucket flattened into one byte tensor and broadcast from this process (rank 0)
+  to all servers' TP ranks over a dedicated process group (gloo on CPU, NCCL on GPU), next to an
+  ``/update_weights_from_distributed`` request per server carrying names, dtypes and shapes;
+- tensor: shared CUDA-IPC handles in ``/update_weights_from_tensor`` (GPU, same machine);
+- disk: one safetensors file per bucket in a fresh directory, then ``/update_weights_from_disk``.
+
+distributed and tensor run inside SGLang's ``/begin_weight_update`` .. ``/end_weight_update``
+session (required by 0.5.23); then the radix cache is flushed (its KV came from the old weights)
+and the servers' weight version is set. Each step has a timeout; a refusal or a dead server raises
+WeightSyncError naming the server and the version, and the session is closed again.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Sequence
+from urllib.parse import urlparse
+
+import requests
+import torch
+
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.engine import (Bucket, Completion, RolloutError, SamplingParams, SyncReport, WeightSyncError,
+                                    check_prompts)
+from megadiv.rollout.sglang_server import SGLangServer
+from megadiv.rollout.weight_sync import (BroadcastGroup, Peer, check_bucket, flatten_bucket, post, read_manifest,
+                                         serialize_bucket, write_bucket)
+
+log = logging.getLogger(__name__)
+
+
+class SGLangEngine:
+    def __init__(self, hf_dir: str, cfg: RolloutConfig):
+        self.cfg = cfg
+        self.server: SGLangServer | None = None
+        if cfg.server_urls:
+            self.urls = [u.rstrip("/") for u in cfg.server_urls]
+        else:
+            self.server = SGLangServer.launch(hf_dir, cfg)
+            self.urls = [self.server.url]
+        self._pool = ThreadPoolExecutor(max_workers=4 * len(self.urls) + 4, thread_name_prefix="sglang-http")
+        try:
+            info = [self._get(u, "/server_info") for u in self.urls]
+        except BaseException:
+            self.shutdown()
+            raise
+        self._peers = [Peer(u, int(i.get("tp_size", 1))) for u, i in zip(self.urls, info)]
+        self._manifest = read_manifest(hf_dir) if cfg.check_weight_names else None
+        if cfg.check_weight_names and self._manifest is None:
+            log.warning("no safetensors in %s readable here: pushed weight names are not checked", hf_dir)
+        self._group: BroadcastGroup | None = None
+        self._sync_root = Path(cfg.sync_dir) if cfg.sync_dir else None
+        self._last_sync_dir: Path | None = None
+        self._paused = False
+        if cfg.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, self.urls))):
+            self.shutdown()
+            raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA and servers on "
+                             f"this machine (servers: {self.urls}); use 'distributed' or 'disk'")
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        check_prompts(prompts)
+        self._check_not_paused()
+        flat = [list(p) for p in prompts for _ in range(params.n)]  # [prompt0 x n, prompt1 x n, ...]
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                    "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
+        outs = self._scatter(flat, lambda ids: {"input_ids": ids, "sampling_params": sampling, "return_logprob": True},
+                             "generate")
+        completions = [Completion(token_ids=list(o["output_ids"]),
+                                  logprobs=[float(x[0]) for x in o["meta_info"]["output_token_logprobs"]],
+                                  finish_reason=_finish_reason(o["meta_info"]["finish_reason"]),
+                                  weight_version=o["meta_info"].get("weight_version", "default"))
+                       for o in outs]
+        return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+              temperature: float = 1.0) -> list[torch.Tensor]:
+        check_prompts(prompts)
+        self._check_not_paused()
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        seqs = [(list(p), list(r)) for p, r in zip(prompts, responses)]
+        # logprob_start_len = len(prompt) - 1 returns entries for tokens prompt[-1], response...;
+        # the first is always None (SGLang reports no log-prob for the first returned position)
+        outs = self._scatter(seqs, lambda chunk: {
+            "input_ids": [p + r for p, r in chunk], "logprob_start_len": [len(p) - 1 for p, _ in chunk],
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}, "return_logprob": True}, "score")
+        return [torch.tensor([x[0] for x in o["meta_info"]["input_token_logprobs"][1:]], dtype=torch.float32)
+                for o in outs]
+
+    def _scatter(self, items: list, payload, what: str) -> list[dict]:
+        """Split ``items`` into one contiguous slice per server, POST /generate concurrently,
+        return the outputs in order. Raises RolloutError naming a server that fails or dies."""
+        per = -(-len(items) // len(self.urls))
+        jobs = [(u, items[i * per:(i + 1) * per]) for i, u in enumerate(self.urls) if items[i * per:(i + 1) * per]]
+        futures = [(u, self._pool.submit(_post_generate, u, payload(chunk), self.cfg.request_timeout_s))
+                   for u, chunk in jobs]
+        outs = []
+        for url, fut in futures:
+            outs += self._wait(url, fut, what)
+        return outs
+
+    def _wait(self, url: str, fut: Future, what: str):
+        """fut.result(), but a launched server that dies fails the call at once."""
+        while True:
+            try:
+                return fut.result(timeout=0.5)
+            except TimeoutError:
+                if self.server is not None and not self.server.alive():
+                    raise RolloutError(f"SGLang server {url} died during {what} (exit code "
+                                       f"{self.server.proc.returncode}); log {self.server.log_path}:\n"
+                                       f"{self.server.log_tail()}") from None
+            except RolloutError as e:
+                raise RolloutError(f"{what} failed: {e}" + self._log_hint()) from None
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
+        cfg, method = self.cfg, self.cfg.sync_method
+        where = f"weight sync to version {version!r} ({method}) on {self.urls}"
+        t0 = time.perf_counter()
+        n_tensors = n_buckets = n_bytes = 0
+        session = False
+        try:
+            if method == "disk":
+                target = self._new_sync_dir(version)
+            else:
+                self._call_all("/begin_weight_update", {})
+                session = True
+            for i, bucket in enumerate(buckets):
+                at = f"bucket {i}"
+                if self._manifest is not None:
+                    check_bucket(bucket, self._manifest, at)
+                if method == "distributed":
+                    self._push_distributed(bucket, at)
+                elif method == "tensor":
+                    payload = {"load_format": None, "flush_cache": False}
+                    for p in self._peers:  # one payload per TP rank: each opens its own handles once
+                        self._call([p.url], "/update_weights_from_tensor", dict(
+                            payload, serialized_named_tensors=[serialize_bucket(bucket) for _ in range(p.tp_size)]))
+                else:
+                    write_bucket(bucket, target, i)
+                n_buckets, n_tensors = n_buckets + 1, n_tensors + len(bucket)
+                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if method == "disk":
+                self._call_all("/update_weights_from_disk", {"model_path": str(target), "flush_cache": False})
+                self._drop_old_sync_dir(target)
+            if session:
+                self._call_all("/end_weight_update", {})
+                session = False
+            self._call_all("/flush_cache", {})
+            self._call_all("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        except (RolloutError, OSError) as e:
+            if session:  # leave the servers usable: a session left open refuses the next begin
+                for url in self.urls:
+                    try:
+                        post(url, "/end_weight_update", {}, 30.0)
+                    except RolloutError:
+                        pass
+            raise WeightSyncError(f"{where} failed: {e}" + self._log_hint()) from None
+        report = SyncReport(version, method, n_tensors, n_buckets, n_bytes, time.perf_counter() - t0)
+        log.info("weight sync %s: %d tensors in %d buckets, %.1f MB in %.3f s (%.1f MB/s)", version, n_tensors,
+                 n_buckets, n_bytes / 1e6, report.seconds, report.mb_per_s)
+        return report
+
+    def _push_distributed(self, bucket: Bucket, where: str) -> None:
+        if self._group is not None and self._group.broken:
+            self._group.destroy(self._pool)
+            self._group = None
+        if self._group is None:
+            self._group = BroadcastGroup(self._peers, self.cfg.sync_timeout_s, self._pool)
+        flat, fields = flatten_bucket(bucket)
+        if flat.device.type != ("cuda" if self._group.backend == "nccl" else "cpu"):
+            flat = flat.to("cuda" if self._group.backend == "nccl" else "cpu")
+        payload = dict(fields, group_name=self._group.name, flush_cache=False)
+        futures = [(u, self._pool.submit(post, u, "/update_weights_from_distributed", payload, self.cfg.sync_timeout_s))
+                   for u in self.urls]
+        self._group.broadcast(flat, futures, where)
+        for _, fut in futures:
+            fut.result()  # the servers' verdicts on loading what they received
+
+    def _new_sync_dir(self, version: str) -> Path:
+        root = self._sync_root or Path(tempfile.gettempdir()) / "megadiv-weight-sync"
+        root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{_safe(version)}-", dir=root))
+
+    def _drop_old_sync_dir(self, current: Path) -> None:
+        # the servers now read from ``current`` (their model_path); the previous version can go
+        if self._last_sync_dir is not None:
+            shutil.rmtree(self._last_sync_dir, ignore_errors=True)
+        self._last_sync_dir = current
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self) -> None:
+        # retract: running requests go back to the queue and are recomputed after resume()
+        self._call_all("/pause_generation", {"mode": "retract"})
+        self._paused = True
+
+    def resume(self) -> None:
+        self._call_all("/continue_generation", {})
+        self._paused = False
+
+    @property
+    def weight_version(self) -> str:
+        versions = {u: self._get(u, "/model_info")["weight_version"] for u in self.urls}
+        if len(set(versions.values())) > 1:
+            raise RolloutError(f"servers disagree on the weight version: {versions}")
+        return next(iter(versions.values()))
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            if self.server is None or self.server.alive():
+                self._group.destroy(self._pool)
+            self._group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.stop()
+        if self._last_sync_dir is not None and self._sync_root is None:
+            shutil.rmtree(self._last_sync_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_not_paused(self) -> None:
+        if self._paused:
+            raise RolloutError("the engine is paused: call resume() before generate()/score()")
+
+    def _call(self, urls: list[str], path: str, payload: dict) -> list[dict]:
+        futures = [(u, self._pool.submit(post, u, path, payload, self.cfg.sync_timeout_s)) for u in urls]
+        return [self._wait(u, f, path) for u, f in futures]
+
+    def _call_all(self, path: str, payload: dict) -> list[dict]:
+        return self._call(self.urls, path, payload)
+
+    def _get(self, url: str, path: str) -> dict:
+        try:
+            r = requests.get(url + path, timeout=60)
+            r.raise_for_status()
+            return r.json()
+        except requests.RequestException as e:
+            raise RolloutError(f"{url}{path}: {e}" + self._log_hint()) from None
+
+    def _log_hint(self) -> str:
+        if self.server is None:
+            return ""
+        state = "running" if self.server.alive() else f"exited with code {self.server.proc.returncode}"
+        return f"\n(launched server {state}; log {self.server.log_path})"
+
+
+def _post_generate(url: str, payload: dict, timeout_s: float) -> list[dict]:
+    out = post(url, "/generate", payload, timeout_s)
+    return out if isinstance(out, list) else [out]
+
+
+def _finish_reason(info: dict | None) -> str:
+    kind = (info or {}).get("type", "abort")
+    return kind if kind in ("stop", "length") else "abort"
+
+
+def _safe(version: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in version)[:64]
+
+
+def _is_local(url: str) -> bool:
+    return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")

@@ -1,0 +1,166 @@
+"""An SGLang server as a child process: launch on loopback, wait for health, stop, never leak.
+
+    server = SGLangServer.launch(hf_dir, cfg)    # python -m sglang.launch_server ... on 127.0.0.1
+    server.url                                  # http://127.0.0.1:<free port>
+    server.stop()                               # SIGTERM to its process group, SIGKILL after a grace
+
+The child runs in its own session (process group), so stop() reaches SGLang's scheduler and
+detokenizer processes too; stop() also runs at interpreter exit, and on Linux the server gets
+SIGTERM if the launching thread dies. Its stdout/stderr go to a log file named in every error.
+
+CPU (no CUDA): the flags of the measured CPU tier (docs/rollout.md), SGLANG_USE_CPU_ENGINE=1 and,
+on the child's PYTHONPATH only, the stand-ins in ``megadiv/rollout/sglang_cpu`` (an import-only
+torchvision and the one sgl_kernel op a dense model calls); the trainer process never sees them.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import requests
+import torch
+
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.engine import RolloutError
+
+log = logging.getLogger(__name__)
+
+CPU_STANDINS = Path(__file__).resolve().parent / "sglang_cpu"
+
+# Measured on the CPU tier (2 cores, no AMX): torch attention and sampling, float32, a small KV
+# pool, no CUDA graphs, no grammar backend, no warm-up request (start-up 20-80 s).
+CPU_FLAGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--dtype", "float32", "--mem-fraction-static", "0.05", "--max-total-tokens", "16384",
+    "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+    "--grammar-backend", "none", "--skip-server-warmup",
+)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, cuda: bool) -> list[str]:
+    """The ``sglang.launch_server`` command line for ``hf_dir`` on 127.0.0.1:``port``."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
+           "--host", "127.0.0.1", "--port", str(port)]
+    if cuda:
+        cmd += ["--tp-size", str(cfg.server_tp), "--mem-fraction-static", str(cfg.mem_fraction_static)]
+    else:
+        if cfg.server_tp != 1:
+            raise ValueError(f"rollout.server_tp={cfg.server_tp}: a CPU SGLang server runs TP=1")
+        cmd += list(CPU_FLAGS)
+    return cmd + list(cfg.server_args)
+
+
+def child_env(cuda: bool) -> dict[str, str]:
+    """The server's environment: ours, plus the CPU tier's switches and stand-ins without CUDA."""
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")  # serve local checkpoints, never download
+    if not cuda:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDINS), env.get("PYTHONPATH")) if p)
+    return env
+
+
+class SGLangServer:
+    """A launched server process (see the module docstring). Use :meth:`launch`."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, grace_s: float):
+        self.proc, self.url, self.log_path, self.grace_s = proc, url, log_path, grace_s
+        # stop at interpreter exit unless stopped before; the finalizer holds no reference to self
+        self._finalizer = weakref.finalize(self, _kill_group, proc, grace_s)
+        atexit.register(self._finalizer)
+
+    @classmethod
+    def launch(cls, hf_dir: str, cfg: RolloutConfig) -> SGLangServer:
+        """Start a server for ``hf_dir`` and wait until /health answers (cfg.startup_timeout_s)."""
+        cuda = torch.cuda.is_available()
+        port = free_port()
+        log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="megadiv-sglang-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"sglang-{port}.log"
+        cmd = launch_command(hf_dir, port, cfg, cuda)
+        log.info("launching SGLang server on port %d (log: %s): %s", port, log_path, " ".join(cmd))
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, env=child_env(cuda), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_term_on_parent_death)
+        server = cls(proc, f"http://127.0.0.1:{port}", log_path, cfg.shutdown_grace_s)
+        try:
+            server.wait_healthy(cfg.startup_timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RolloutError(f"SGLang server {self.url} exited with code {self.proc.returncode} during "
+                                   f"start-up; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    log.info("SGLang server %s healthy after %.1f s", self.url, time.monotonic() - t0)
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise RolloutError(f"SGLang server {self.url} not healthy after {timeout_s:.0f} s "
+                                   f"(rollout.startup_timeout_s); log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL after the grace period. Idempotent."""
+        self._finalizer()
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
+    # SGLang may ignore SIGTERM while its scheduler is blocked in a collective: hence the SIGKILL.
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the leader exited; its children may linger in the group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        break
+    proc.poll()
+
+
+def _term_on_parent_death() -> None:
+    """In the child before exec: SIGTERM when the launching thread dies (Linux prctl), so a
+    trainer killed with SIGKILL does not leave a server behind."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,240 @@
+"""Moving HF-named weight buckets from the trainer into SGLang servers: the pieces under
+SGLangEngine.update_weights.
+
+- :func:`read_manifest` / :func:`check_bucket`: names, shapes and dtypes of the served checkpoint,
+  checked before anything is sent (SGLang's loaders skip unknown names silently).
+- :func:`flatten_bucket`: one contiguous byte tensor per bucket (SGLang's ``flattened_bucket``
+  format): one broadcast per bucket instead of one per tensor.
+- :class:`BroadcastGroup`: the trainer's end of SGLang's weight-update process group (gloo on CPU,
+  NCCL on GPU), whose broadcasts never hang: each one runs alongside the servers' HTTP requests and
+  fails as soon as a server refuses, or after the timeout.
+- :func:`serialize_bucket` (CUDA-IPC handles) and :func:`write_bucket` (safetensors).
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import io
+import logging
+import socket
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from urllib.parse import urlparse
+
+import requests
+import torch
+import torch.distributed as dist
+
+from megadiv.rollout.engine import Bucket, RolloutError, WeightSyncError
+from megadiv.rollout.sglang_server import free_port
+
+log = logging.getLogger(__name__)
+
+Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
+    """POST JSON to a server; RolloutError naming the server on refusal, death or timeout."""
+    try:
+        r = requests.post(url + path, json=payload, timeout=timeout_s)
+    except requests.Timeout:
+        raise RolloutError(f"{url}{path}: no answer within {timeout_s:.0f} s") from None
+    except requests.ConnectionError as e:
+        raise RolloutError(f"{url}{path}: server unreachable (dead?): {e}") from None
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"message": r.text[:2000]}
+    if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
+        message = body.get("message", body) if isinstance(body, dict) else body
+        raise RolloutError(f"{url}{path} refused (HTTP {r.status_code}): {message}")
+    return body
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def read_manifest(hf_dir: str | Path) -> Manifest | None:
+    """{hf_name: (shape, dtype)} of the safetensors checkpoint in ``hf_dir`` (headers only);
+    None when the directory is not readable here (a server on another node)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(hf_dir).glob("*.safetensors")) if Path(hf_dir).is_dir() else []
+    if not files:
+        return None
+    manifest: Manifest = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                sl = h.get_slice(name)
+                manifest[name] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()])
+    return manifest
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def check_bucket(bucket: Bucket, manifest: Manifest, where: str) -> None:
+    """Raise WeightSyncError if a tensor's name or shape is not the served checkpoint's.
+    Dtypes may differ (a bf16 trainer may feed an fp32 server: the loader casts)."""
+    for name, t in bucket:
+        if name not in manifest:
+            close = [n for n in manifest if n.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
+            raise WeightSyncError(f"{where}: tensor {name!r} is not a weight of the served model"
+                                  + (f" (similar: {close})" if close else ""))
+        shape = manifest[name][0]
+        if tuple(t.shape) != shape:
+            raise WeightSyncError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the served model's "
+                                  f"is {shape}")
+
+
+# --------------------------------------------------------------------------- payloads
+
+
+def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, dict]:
+    """(bytes [total] uint8, request fields) for SGLang's ``flattened_bucket`` load format.
+
+    SGLang rebuilds tensor i from bytes [offset_i, offset_i + nbytes_i) and requires offset_i to be
+    a multiple of its element size: ordering by element size, largest first, guarantees it (every
+    size is a power of two, so each offset is a multiple of every later element size)."""
+    ordered = sorted(bucket, key=lambda nt: -nt[1].element_size())
+    flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in ordered])
+    fields = {"names": [n for n, _ in ordered], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],
+              "shapes": [list(t.shape) for _, t in ordered], "load_format": "flattened_bucket"}
+    return flat, fields
+
+
+def serialize_bucket(bucket: Bucket) -> str:
+    """base64 of the bucket pickled with torch's multiprocessing reductions: CUDA tensors travel as
+    IPC handles that only a process on the same machine can open; the format SGLang's
+    update_weights_from_tensor unpickles.
+
+    CUDA only: CPU tensors would travel as file descriptors fetched over an authenticated
+    multiprocessing connection that an unrelated server process cannot open."""
+    if not all(t.is_cuda for _, t in bucket):
+        raise WeightSyncError("sync_method 'tensor' needs CUDA tensors; use 'distributed' or 'disk' on CPU")
+    # SGLang's reduction names the GPU by UUID, so a server with other CUDA_VISIBLE_DEVICES maps the
+    # handle to the right device (sglang is installed wherever there is a GPU server)
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    monkey_patch_torch_reductions()
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([(n, t.detach().contiguous()) for n, t in bucket])
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def write_bucket(bucket: Bucket, directory: Path, index: int) -> None:
+    """One safetensors shard per bucket; SGLang's disk loader reads every *.safetensors there."""
+    from safetensors.torch import save_file
+    save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(directory / f"bucket-{index:05d}.safetensors"))
+
+
+# --------------------------------------------------------------------------- process group
+
+
+@dataclass(frozen=True)
+class Peer:
+    url: str
+    tp_size: int
+    """Ranks the server contributes to the weight-update group (one per TP rank)."""
+
+
+class BroadcastGroup:
+    """Rank 0 (the trainer's exporting rank) of a process group joined by every TP rank of every
+    server; one broadcast delivers a bucket to all of them.
+
+    torch has no public API for a second, independent world next to torchrun's default group,
+    so this follows SGLang's own ``init_custom_process_group`` (torch's rendezvous + private
+    ``_new_process_group_helper``): the same construction on both ends makes the store keys agree.
+    """
+
+    def __init__(self, peers: list[Peer], timeout_s: float, pool: ThreadPoolExecutor):
+        self.peers, self.timeout_s = peers, timeout_s
+        self.name = f"megadiv-{uuid.uuid4().hex[:12]}"
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.world_size = 1 + sum(p.tp_size for p in peers)
+        self.pg = None
+        self.broken = False
+        host = _address_seen_by(peers[0].url)
+        port = free_port(host)
+        offsets = [1 + sum(p.tp_size for p in peers[:i]) for i in range(len(peers))]
+        # every server blocks in its /init_weights_update_group until all ranks joined: ask all
+        # of them first (threads), then join as rank 0 (hosting the TCP store)
+        futures = [pool.submit(post, p.url, "/init_weights_update_group",
+                               {"master_address": host, "master_port": port, "rank_offset": off,
+                                "world_size": self.world_size, "group_name": self.name, "backend": self.backend},
+                               timeout_s) for p, off in zip(peers, offsets)]
+        try:
+            self.pg = _custom_group(self.backend, host, port, self.world_size, self.name, timeout_s)
+        except Exception as e:
+            errors = [str(f.exception(timeout=1)) for f in futures if f.done() and f.exception(timeout=0)]
+            raise WeightSyncError(f"weight-update group {self.name} ({self.backend}, {host}:{port}) with "
+                                  f"{[p.url for p in peers]} failed: {e}; servers: {errors}") from None
+        for p, f in zip(peers, futures):
+            f.result(timeout=timeout_s)
+        log.info("weight-update group %s: %s, world %d, store %s:%d", self.name, self.backend, self.world_size,
+                 host, port)
+
+    def broadcast(self, flat: torch.Tensor, requests_: list[tuple[str, Future]], where: str) -> None:
+        """Broadcast ``flat`` to the servers while their HTTP requests run; fail fast if one refuses.
+
+        A server that refuses an update before receiving (wrong group, no open session, bad
+        metadata) never joins the broadcast, which would otherwise block this rank forever."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        work = self.pg.broadcast([flat], opts)
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            for url, fut in requests_:
+                if fut.done() and fut.exception() is not None:
+                    self.broken = True  # this broadcast is still pending: the group is unusable
+                    raise WeightSyncError(f"{where}: server {url} refused the bucket: {fut.exception()}")
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise WeightSyncError(f"{where}: broadcast not received within {self.timeout_s:.0f} s "
+                                      f"(rollout.sync_timeout_s) by {[u for u, _ in requests_]}")
+            time.sleep(0.002)
+        work.wait()  # re-raises a gloo/NCCL error (e.g. a server died mid-transfer)
+
+    def destroy(self, pool: ThreadPoolExecutor) -> None:
+        """Leave the group on both sides (best effort: a dead server cannot answer)."""
+        futures = [pool.submit(post, p.url, "/destroy_weights_update_group", {"group_name": self.name}, 30.0)
+                   for p in self.peers]
+        for f in futures:
+            if f.exception() is not None:
+                log.warning("destroying weight-update group %s: %s", self.name, f.exception())
+        if self.pg is not None and not self.broken:
+            dist.destroy_process_group(self.pg)
+        self.pg = None
+
+
+def _custom_group(backend: str, host: str, port: int, world_size: int, name: str, timeout_s: float):
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, _ = next(rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(name, store),
+                                      group_name=name, timeout=timeout, **device)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _address_seen_by(url: str) -> str:
+    """This machine's address as the server at ``url`` reaches it (loopback for local servers)."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent
+        s.connect((host, 80))
+        return s.getsockname()[0]
