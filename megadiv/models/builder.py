@@ -1,0 +1,225 @@
+"""Build megatron-core GPTModels (actor or reference) from a Hugging Face checkpoint.
+
+    info = megadiv.parallel.initialize(ParallelConfig(tensor_parallel=2, pipeline_parallel=2))
+    model = build_model(ModelConfig(hf_dir="ckpt/Qwen2.5-7B", params_dtype="bfloat16"), role="actor")
+    model.chunks          # what megatron's schedules and DDP take: one module per virtual stage
+    model.vocab_size      # true vocabulary (HF rows); logits columns >= this are padding
+    model.padded_vocab_size
+
+The HF config becomes one TransformerConfig (RMSNorm, SwiGLU, GQA, RoPE theta and Llama-3
+scaling, QKV bias / QK layernorm per family); the layer spec is megatron's local spec (CPU, or
+``transformer_impl: local``) or the Transformer Engine spec (GPU; required for FP8). Weights are
+streamed from the safetensors files, each rank reading only its TP shard of its PP stage's
+layers (megadiv.models.loading).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from megadiv.config import ConfigError, ModelConfig, ParallelConfig
+from megadiv.models.families import FAMILIES, Family
+from megadiv.models.hf_config import ArchSpec, arch_from_hf_config, load_hf_config
+from megadiv.models.sharding import VOCAB_MULTIPLE, padded_vocab_size, stage_layer_counts
+
+log = logging.getLogger(__name__)
+
+Role = Literal["actor", "reference"]
+
+
+@dataclass
+class MegatronModel:
+    """What :func:`build_model` returns: this rank's part of the model plus the facts needed to
+    map it to and from Hugging Face names.
+
+    ``chunks`` are the modules megatron's pipeline schedules take (a list; one entry per virtual
+    pipeline stage held by this rank, one entry without interleaving): a GPTModel in float32, a
+    megatron Float16Module around it in bf16/fp16. Wrap them in DDP for training (actor); the
+    exporter and checkpoint functions see through both wrappers.
+    """
+
+    chunks: list[torch.nn.Module]
+    arch: ArchSpec
+    family: Family
+    config: "TransformerConfig"  # noqa: F821 (megatron import kept lazy)
+    role: Role
+    padded_vocab_size: int
+    hf_config: dict
+    """The config.json the model was built from (written back on export)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the true vocabulary; logits columns >= vocab_size are padding."""
+        return self.arch.vocab_size
+
+    @property
+    def gpt_models(self) -> list:
+        """The GPTModels inside ``chunks``, unwrapped from Float16Module/DDP."""
+        return [_unwrap(c) for c in self.chunks]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+
+    while not isinstance(module, GPTModel):
+        module = module.module
+    return module
+
+
+def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, parallel: ParallelConfig | None = None,
+                load_weights: bool = True, stage_layers: list[int] | None = None,
+                vocab_multiple: int = VOCAB_MULTIPLE, config_overrides: dict | None = None) -> MegatronModel:
+    """Build this rank's chunks of the model described by ``source`` (a ModelConfig or an HF
+    directory); collective over the model-parallel group when loading weights.
+
+    megadiv.parallel.initialize() must have run: TP, PP and virtual PP sizes come from megatron's
+    parallel state; ``parallel`` (optional) supplies sequence_parallel and is checked against it.
+    ``load_weights`` streams the HF safetensors (False: leave megatron's random init, e.g. before
+    loading a megatron checkpoint). ``stage_layers`` forces the layers per PP stage (see
+    sharding.stage_layer_counts for the default). ``config_overrides`` are extra TransformerConfig
+    fields (recompute settings, ...). A ``reference`` model is frozen: eval mode, no gradients.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = source if isinstance(source, ModelConfig) else ModelConfig(hf_dir=str(source))
+    if role not in ("actor", "reference"):
+        raise ValueError(f"role must be 'actor' or 'reference', got {role!r}")
+    if cfg.hf_dir is not None:
+        hf_config = load_hf_config(cfg.hf_dir)
+        arch = arch_from_hf_config(hf_config)
+    else:
+        hf_config, arch, load_weights = {}, _arch_from_model_config(cfg), False
+    family = FAMILIES[arch.family]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if parallel is not None and (parallel.tensor_parallel, parallel.pipeline_parallel) != (tp, pp):
+        raise ConfigError(f"parallel config TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel} does not "
+                          f"match the initialised parallel state TP={tp} PP={pp}")
+    _check_divisible(arch, tp, pp)
+    padded = padded_vocab_size(arch.vocab_size, tp, vocab_multiple)
+
+    config = transformer_config(arch, family, cfg, tp=tp, pp=pp, vpp=vpp,
+                                sequence_parallel=parallel.sequence_parallel if parallel else False,
+                                stage_layers=stage_layer_counts(arch.num_layers, pp, stage_layers),
+                                initialize=not load_weights, **(config_overrides or {}))
+    spec = layer_spec(family, _resolve_impl(cfg))
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        vp = vp_stage if vpp else None
+        gpt = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope", rotary_base=arch.rope_theta,
+            rope_scaling=arch.rope_scaling_factor is not None,
+            rope_scaling_factor=arch.rope_scaling_factor or 1.0, vp_stage=vp)
+        chunks.append(Float16Module(config, gpt) if (config.bf16 or config.fp16) else gpt)
+    model = MegatronModel(chunks=chunks, arch=arch, family=family, config=config, role=role,
+                          padded_vocab_size=padded, hf_config=hf_config)
+    if load_weights:
+        from megadiv.models.loading import load_hf_weights
+
+        load_hf_weights(model, cfg.hf_dir)
+    if role == "reference":
+        for chunk in chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+    return model
+
+
+def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
+                       sequence_parallel: bool, stage_layers: list[int], initialize: bool, **overrides):
+    """The megatron TransformerConfig reproducing the HF architecture exactly."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = getattr(torch, cfg.params_dtype)
+    cuda = torch.cuda.is_available()
+    uneven = pp > 1 and len(set(stage_layers)) > 1
+    fields = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu,  # SwiGLU: silu(x W_gate) * (x W_up)
+        add_bias_linear=False, add_qkv_bias=family.qkv_bias, qk_layernorm=family.qk_layernorm,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel,
+        num_layers_in_first_pipeline_stage=stage_layers[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=stage_layers[-1] if uneven else None,
+        use_cpu_initialization=not cuda,
+        # Skipped when every weight is loaded next, except with CPU initialisation: megatron-core
+        # sets the tensor_model_parallel/partition_dim attributes of TP weights only inside its
+        # CPU init routine (tensor_parallel/layers.py, _initialize_affine_weight_cpu), and the
+        # gradient-norm and clipping code needs them to count each TP shard once.
+        perform_initialization=initialize or not cuda,
+        batch_p2p_sync=cuda,  # True calls torch.cuda.synchronize() around p2p
+    )
+    if cfg.fp8 != "none":
+        # 'hybrid': E4M3 forward, E5M2 gradients; the recipe picks the scaling (delayed/tensorwise/...)
+        fields.update(fp8="hybrid", fp8_recipe=cfg.fp8)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def layer_spec(family: Family, impl: str):
+    """Megatron's local layer spec, or the Transformer Engine spec (needs TE, i.e. a GPU)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "local":
+        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=family.qk_layernorm, normalization="RMSNorm")
+    if not gpt_layer_specs.HAVE_TE:
+        raise ConfigError("model.transformer_impl=transformer_engine needs Transformer Engine, which is not "
+                          "importable here (pip install 'megadiv[gpu]' on a CUDA machine); use "
+                          "transformer_impl=local, without fp8")
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_layernorm)
+
+
+def _resolve_impl(cfg: ModelConfig) -> str:
+    if cfg.transformer_impl != "auto":
+        return cfg.transformer_impl
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if torch.cuda.is_available() and gpt_layer_specs.HAVE_TE:
+        return "transformer_engine"
+    if cfg.fp8 != "none":
+        raise ConfigError(f"model.fp8={cfg.fp8!r} needs Transformer Engine on a GPU; it is not available here")
+    return "local"
+
+
+def _check_divisible(arch: ArchSpec, tp: int, pp: int) -> None:
+    if arch.num_query_groups % tp:
+        raise ConfigError(
+            f"tensor_parallel={tp} does not divide the {arch.num_query_groups} key/value heads of this "
+            f"{arch.family} model: megatron-core needs at least one whole KV head per TP rank "
+            f"(use a TP that divides {arch.num_query_groups})")
+    if arch.num_attention_heads % tp:
+        raise ConfigError(f"tensor_parallel={tp} does not divide the {arch.num_attention_heads} attention heads")
+    if arch.ffn_hidden_size % tp:
+        raise ConfigError(f"tensor_parallel={tp} does not divide the MLP width {arch.ffn_hidden_size}")
+    if arch.num_layers < pp:
+        raise ConfigError(f"pipeline_parallel={pp} exceeds the {arch.num_layers} layers")
+
+
+def _arch_from_model_config(cfg: ModelConfig) -> ArchSpec:
+    """A randomly initialised Llama-layout model from the ModelConfig fields (no hf_dir)."""
+    return ArchSpec(
+        family="llama", num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=10000.0, rope_scaling_factor=None, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        dtype=cfg.params_dtype)

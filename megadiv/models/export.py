@@ -1,0 +1,121 @@
+"""Export a sharded Megatron model as Hugging Face tensors, bucket by bucket.
+
+Shared by checkpoint conversion (megatron -> HF safetensors) and the rollout weight sync::
+
+    for bucket in iter_hf_weight_buckets(model, bucket_bytes=512 << 20):
+        engine.update_weights(bucket)      # [(hf_name, tensor), ...]
+
+Collective: call it on every rank of one data-parallel replica's TP x PP grid, each with its
+MegatronModel (megadiv.models.build_model). Every rank yields the same buckets, in the same
+order (the family table's order: embedding, layer 0, layer 1, ..., final norm, lm_head), of full,
+unpadded, HF-named tensors on the model's device in the parameters' dtype. Per HF tensor group
+(one Megatron parameter: q/k/v, gate/up or a single tensor):
+
+1. the PP stage owning it all-gathers its TP shards in the TP group and undoes the fusion and the
+   vocabulary padding (megadiv.models.sharding.unshard);
+2. that stage broadcasts each HF tensor to the other stages over the PP group.
+
+A rank holds at most one bucket of gathered tensors (plus one parameter's TP shards while
+gathering); a single parameter larger than ``bucket_bytes`` forms a bucket of its own. Yielded
+tensors are fresh (never views of parameters), so the consumer may keep or modify them.
+"""
+from __future__ import annotations
+
+from itertools import groupby
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megadiv.models.families import PlannedTensor, plan
+from megadiv.models.loading import megatron_params
+from megadiv.models.sharding import Layout, unshard
+
+
+def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of (hf_name, full tensor), each list about ``bucket_bytes`` (see module doc)."""
+    from megatron.core import parallel_state
+
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    tp = dist.get_world_size(tp_group)
+    local = dict(megatron_params(model))
+    owner = _owner_stages(local, pp_group)
+    dtype = model.config.params_dtype
+    device = next(iter(local.values())).device
+    element = torch.empty((), dtype=dtype).element_size()
+
+    for bucket in _buckets(plan(model.arch), bucket_bytes, element):
+        out = []
+        for _, group in groupby(bucket, key=lambda t: t.megatron_name):
+            group = list(group)
+            name = group[0].megatron_name
+            if name not in owner:
+                raise RuntimeError(f"no pipeline stage holds {name}")
+            if name in local:  # this stage owns it: gather TP shards, undo fusion and padding
+                hf = _gather_unshard(local[name], group[0].rule.layout, tp, tp_group, model.arch)
+                tensors = [hf[t.index].to(dtype) for t in group]
+            else:
+                tensors = [torch.empty(t.shape, dtype=dtype, device=device) for t in group]
+            if len(pp_ranks) > 1:
+                for t in tensors:
+                    dist.broadcast(t, src=pp_ranks[owner[name]], group=pp_group)
+            out += [(t.hf_name, x) for t, x in zip(group, tensors)]
+        yield out
+
+
+def _gather_unshard(param: torch.Tensor, layout: Layout, tp: int, tp_group, arch) -> list[torch.Tensor]:
+    local = param.detach()
+    if tp == 1 or layout is Layout.REPLICATED:
+        shards = [local]
+    else:
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local.contiguous(), group=tp_group)
+    hf = unshard(layout, shards, arch)
+    # every layout but REPLICATED concatenates into new tensors; copy the replicated one so that
+    # yielded tensors never alias parameters
+    return [t.clone() for t in hf] if layout is Layout.REPLICATED else hf
+
+
+def _owner_stages(local: dict, pp_group) -> dict[str, int]:
+    """Canonical megatron name -> pipeline rank holding it (first holder: with tied embeddings
+    the last stage also holds a copy of the embedding as output_layer.weight, never exported)."""
+    held = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(held, sorted(local), group=pp_group)
+    owner = {}
+    for stage, names in enumerate(held):
+        for name in names:
+            owner.setdefault(name, stage)
+    return owner
+
+
+def _buckets(planned: list[PlannedTensor], bucket_bytes: int, element: int) -> Iterator[list[PlannedTensor]]:
+    """Group the plan into buckets of <= bucket_bytes, never splitting one megatron parameter's
+    HF tensors (q/k/v, gate/up) across buckets."""
+    bucket, size = [], 0
+    for _, group in groupby(planned, key=lambda t: t.megatron_name):
+        group = list(group)
+        nbytes = sum(element * _numel(t.shape) for t in group)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket += group
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def hf_bytes(model) -> int:
+    """Total bytes of the exported HF tensors in the parameters' dtype."""
+    element = torch.empty((), dtype=model.config.params_dtype).element_size()
+    return sum(element * _numel(t.shape) for t in plan(model.arch))

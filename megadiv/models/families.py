@@ -1,0 +1,133 @@
+"""One declarative weight table per model family: Megatron name <-> Hugging Face names + layout.
+
+A :class:`Rule` says: the Megatron parameter ``megatron`` (its dist-checkpoint name, i.e. the
+Transformer Engine spelling; ``{i}`` is the global layer index) is built from the HF tensors
+``hf`` (names with ``{i}``, each with its full shape in symbols) fused by ``layout``
+(megadiv.models.sharding). Shape symbols: V vocabulary, H hidden, F MLP width, D head width,
+Q = heads*D (query rows), KV = key/value heads*D.
+
+Tables list the pre-layer rules, then the per-layer rules, then the post-layer rules: that is
+also the order in which the exporter yields tensors. Adding a family = one table + one entry in
+FAMILIES (docs/models.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megadiv.models.hf_config import ArchSpec
+from megadiv.models.sharding import Layout
+
+EMBED_HF_NAME = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str
+    layout: Layout
+    hf: tuple[tuple[str, tuple[str, ...]], ...]
+    """(HF name, shape in symbols) for each fused input, in the order the layout concatenates."""
+    export: bool = True
+    """False for a Megatron copy of a tensor exported elsewhere (the tied output layer)."""
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.megatron
+
+    def hf_names(self, layer: int | None = None) -> list[str]:
+        return [n.format(i=layer) for n, _ in self.hf]
+
+    def hf_shapes(self, arch: ArchSpec) -> list[tuple[int, ...]]:
+        sizes = {"V": arch.vocab_size, "H": arch.hidden_size, "F": arch.ffn_hidden_size, "D": arch.head_dim,
+                 "Q": arch.num_attention_heads * arch.head_dim, "KV": arch.num_query_groups * arch.head_dim}
+        return [tuple(sizes[s] for s in shape) for _, shape in self.hf]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    qkv_bias: bool
+    """Biases on q/k/v projections (Qwen2); o_proj and the MLP never have biases here."""
+    qk_layernorm: bool
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3)."""
+    rules: tuple[Rule, ...]
+
+    def rules_for(self, arch: ArchSpec) -> tuple[Rule, ...]:
+        """The rules of this checkpoint: with tied embeddings the output layer is a copy of the
+        embedding (megatron holds one on the last pipeline stage) and is not exported."""
+        if not arch.tie_word_embeddings:
+            return self.rules
+        return tuple(replace(r, hf=((EMBED_HF_NAME, ("V", "H")),), export=False)
+                     if r.megatron == "output_layer.weight" else r for r in self.rules)
+
+
+def _layer(name: str) -> str:
+    return "decoder.layers.{i}." + name
+
+
+def _hf_layer(name: str) -> str:
+    return "model.layers.{i}." + name
+
+
+_ATTN = _layer("self_attention.")
+_EMBED = Rule("embedding.word_embeddings.weight", Layout.VOCAB, ((EMBED_HF_NAME, ("V", "H")),))
+_INPUT_NORM = Rule(_ATTN + "linear_qkv.layer_norm_weight", Layout.REPLICATED,
+                   ((_hf_layer("input_layernorm.weight"), ("H",)),))
+_QKV = Rule(_ATTN + "linear_qkv.weight", Layout.QKV, (
+    (_hf_layer("self_attn.q_proj.weight"), ("Q", "H")),
+    (_hf_layer("self_attn.k_proj.weight"), ("KV", "H")),
+    (_hf_layer("self_attn.v_proj.weight"), ("KV", "H"))))
+_QKV_BIAS = Rule(_ATTN + "linear_qkv.bias", Layout.QKV, (
+    (_hf_layer("self_attn.q_proj.bias"), ("Q",)),
+    (_hf_layer("self_attn.k_proj.bias"), ("KV",)),
+    (_hf_layer("self_attn.v_proj.bias"), ("KV",))))
+_Q_NORM = Rule(_ATTN + "q_layernorm.weight", Layout.REPLICATED, ((_hf_layer("self_attn.q_norm.weight"), ("D",)),))
+_K_NORM = Rule(_ATTN + "k_layernorm.weight", Layout.REPLICATED, ((_hf_layer("self_attn.k_norm.weight"), ("D",)),))
+_O_PROJ = Rule(_ATTN + "linear_proj.weight", Layout.ROW, ((_hf_layer("self_attn.o_proj.weight"), ("H", "Q")),))
+_POST_NORM = Rule(_layer("mlp.linear_fc1.layer_norm_weight"), Layout.REPLICATED,
+                  ((_hf_layer("post_attention_layernorm.weight"), ("H",)),))
+_FC1 = Rule(_layer("mlp.linear_fc1.weight"), Layout.GATE_UP, (
+    (_hf_layer("mlp.gate_proj.weight"), ("F", "H")),
+    (_hf_layer("mlp.up_proj.weight"), ("F", "H"))))
+_FC2 = Rule(_layer("mlp.linear_fc2.weight"), Layout.ROW, ((_hf_layer("mlp.down_proj.weight"), ("H", "F")),))
+_FINAL_NORM = Rule("decoder.final_layernorm.weight", Layout.REPLICATED, (("model.norm.weight", ("H",)),))
+_LM_HEAD = Rule("output_layer.weight", Layout.VOCAB, (("lm_head.weight", ("V", "H")),))
+
+LLAMA = Family("llama", qkv_bias=False, qk_layernorm=False, rules=(
+    _EMBED, _INPUT_NORM, _QKV, _O_PROJ, _POST_NORM, _FC1, _FC2, _FINAL_NORM, _LM_HEAD))
+QWEN2 = Family("qwen2", qkv_bias=True, qk_layernorm=False, rules=(
+    _EMBED, _INPUT_NORM, _QKV, _QKV_BIAS, _O_PROJ, _POST_NORM, _FC1, _FC2, _FINAL_NORM, _LM_HEAD))
+QWEN3 = Family("qwen3", qkv_bias=False, qk_layernorm=True, rules=(
+    _EMBED, _INPUT_NORM, _QKV, _Q_NORM, _K_NORM, _O_PROJ, _POST_NORM, _FC1, _FC2, _FINAL_NORM, _LM_HEAD))
+
+# HF model_type -> family (Qwen2.5 checkpoints say "qwen2")
+FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One exported HF tensor: which rule and layer produce it and its full shape."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    rule: Rule
+    layer: int | None
+    index: int
+    """Position among the rule's fused inputs (0 for q, 1 for k, ...)."""
+
+    @property
+    def megatron_name(self) -> str:
+        return self.rule.megatron.format(i=self.layer)
+
+
+def plan(arch: ArchSpec) -> list[PlannedTensor]:
+    """Every HF tensor of the checkpoint, in export order: pre-layer rules, each layer's rules,
+    post-layer rules. Computed from the config alone, identically on every rank."""
+    rules = [r for r in FAMILIES[arch.family].rules_for(arch) if r.export]
+    first_layer_rule = next(k for k, r in enumerate(rules) if r.per_layer)
+    last_layer_rule = max(k for k, r in enumerate(rules) if r.per_layer)
+    ordered = [(r, None) for r in rules[:first_layer_rule]]
+    ordered += [(r, i) for i in range(arch.num_layers) for r in rules[first_layer_rule:last_layer_rule + 1]]
+    ordered += [(r, None) for r in rules[last_layer_rule + 1:]]
+    return [PlannedTensor(name, shape, rule, layer, k)
+            for rule, layer in ordered
+            for k, (name, shape) in enumerate(zip(rule.hf_names(layer), rule.hf_shapes(arch)))]

@@ -1,0 +1,161 @@
+"""``megadiv make-tiny-model``: small random Hugging Face checkpoints with a tokenizer, offline.
+
+    megadiv make-tiny-model --family qwen2 --out ckpt/tiny-qwen2
+    # the CPU arithmetic demo's model: a character tokenizer and a Qwen2 of hidden 128
+    megadiv make-tiny-model --family qwen2 --out ckpt/demo --tokenizer char \\
+        --hidden 128 --layers 2 --heads 4 --kv-heads 4 --ffn 512 --tied
+
+Every weight is random, including norm weights (around 1) and biases, so that a mapping mistake
+anywhere changes the logits. The tokenizer is built with the ``tokenizers`` library: ``char``
+(one token per character of --chars, the demo's choice) or ``bpe`` (byte-level BPE trained on a
+short built-in text); both carry ChatML special tokens and a chat template and load with
+``AutoTokenizer.from_pretrained``.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_BPE_TEXT = """\
+Question: what is 17 + 25? Answer: 17 + 25 = 42. The answer is 42.
+Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
+How many clips did Natalia sell altogether in April and May? 48 / 2 = 24. 48 + 24 = 72. #### 72
+def add(a, b):\n    return a + b\n
+The quick brown fox jumps over the lazy dog. A policy gradient step moves the model toward
+rewarded answers; the reference model stays fixed. Let x = 3 and y = 4, then x * y = 12.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", choices=FAMILIES, required=True)
+    parser.add_argument("--out", required=True, help="output directory (must not exist)")
+    parser.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
+    parser.add_argument("--chars", default=DEFAULT_CHARS, help="alphabet of the char tokenizer")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="embedding rows (>= tokenizer size; bpe: also the BPE target size)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=None, help="per-head width (qwen3 may differ from hidden/heads)")
+    parser.add_argument("--ffn", type=int, default=128)
+    parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                        help="tie embeddings and lm_head (default: tied for qwen2/qwen3, untied for llama)")
+    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--llama3-rope-factor", type=float, default=8.0,
+                        help="llama only: Llama-3 RoPE scaling factor (0 disables)")
+    parser.add_argument("--max-positions", type=int, default=512)
+    parser.add_argument("--init-std", type=float, default=0.05)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="split the safetensors into files of this size (e.g. 200KB) to exercise sharded loading")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = make_tiny_model(**{k: v for k, v in vars(args).items()})
+    print(f"wrote {args.family} model to {out}")
+    return 0
+
+
+def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars: str = DEFAULT_CHARS,
+                    vocab: int | None = None, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int | None = None, ffn: int = 128, tied: bool | None = None,
+                    rope_theta: float = 10000.0, llama3_rope_factor: float = 8.0, max_positions: int = 512,
+                    init_std: float = 0.05, dtype: str = "float32", max_shard_size: str | None = None,
+                    seed: int = 0) -> Path:
+    """Write a random ``family`` checkpoint plus tokenizer to ``out`` (atomically) and return it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new directory")
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    tok = build_tokenizer(tokenizer, chars=chars, bpe_vocab=vocab or 320)
+    vocab = vocab or len(tok)
+    if vocab < len(tok):
+        raise ValueError(f"--vocab {vocab} is smaller than the tokenizer ({len(tok)} tokens)")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    kwargs = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6, initializer_range=init_std,
+        tie_word_embeddings=family != "llama" if tied is None else tied,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    scaling = None
+    if family == "llama" and llama3_rope_factor:
+        scaling = {"rope_type": "llama3", "factor": llama3_rope_factor, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        # Llama 3.1 style: the scaled context is factor x the original 8192
+        kwargs["max_position_embeddings"] = max(max_positions, int(8192 * llama3_rope_factor))
+    config = AutoConfig.for_model(family, rope_theta=rope_theta, rope_scaling=scaling, **kwargs)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # around 1, not exactly 1: a swapped norm must change the output
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):  # HF initialises biases to zero
+                p.copy_(init_std * torch.randn_like(p))
+    model = model.to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        save = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(tmp, **save)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def build_tokenizer(kind: str, chars: str = DEFAULT_CHARS, bpe_vocab: int = 320):
+    """A transformers fast tokenizer with ChatML special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Both kinds are byte-level BPE (Qwen's and Llama 3's scheme): transformers 5 rebuilds Qwen
+    # tokenizers from the vocabulary and merges with its own byte-level pipeline, so anything
+    # else would not survive AutoTokenizer.from_pretrained.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if kind == "char":  # one token per character of the alphabet: byte-level symbols, no merges
+        symbols = list(dict.fromkeys(byte_level.pre_tokenize_str(c)[0][0] for c in chars))
+        if any(len(s) != 1 for s in symbols):
+            raise ValueError("the char tokenizer takes single-byte (ASCII) characters only")
+        vocab = {t: i for i, t in enumerate(list(SPECIAL_TOKENS) + symbols)}
+        core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    elif kind == "bpe":
+        core = Tokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        core.pre_tokenizer = byte_level
+        core.train_from_iterator([_BPE_TEXT], trainer)
+    else:
+        raise ValueError(f"tokenizer must be 'char' or 'bpe', got {kind!r}")
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", bos_token=None,
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
