@@ -9,8 +9,8 @@ ratio measures are Schulman's estimators of KL(base || current) and the plain ra
     k3          (w - 1) - log w         unbiased, >= 0, low variance ("low_var_kl")
     reverse_k3  (1/w - 1) + log w       k3 of 1/w: the estimator of KL(current || base)
 
-All are written in t with expm1 so that they stay accurate (relative error ~1e-16) for
-|t| -> 0, where w - 1 and log w cancel. ``sampled_prob_l2`` is GBMPO's published per-token
+All are written in t with expm1, which keeps the absolute error at a few ulp of |t| as t -> 0
+(where w - 1 and log w cancel) and the gradient (expm1(t) for k3) exact to rounding. ``sampled_prob_l2`` is GBMPO's published per-token
 Bregman term (p - p_base)^2, which depends on p_base as well as on w.
 """
 from __future__ import annotations
@@ -70,7 +70,27 @@ class K3(RatioDivergence):
 
     def ratio_interval(self, delta):
         x = -math.exp(-1.0 - delta)
-        return -lambert_w(x, 0), -lambert_w(x, -1)
+        if x == 0.0:  # e^(-1-delta) underflows (delta > ~700): no Lambert W argument to give
+            return super().ratio_interval(delta)
+        return _polish(-lambert_w(x, 0), delta, -1.0), _polish(-lambert_w(x, -1), delta, 1.0)
+
+
+def _polish(w: float, delta: float, side: float) -> float:
+    """Newton steps on k3 = expm1(t) - t = delta in t = log w, on ``side`` (sign of t). Rounding
+    x = -e^(-1-delta) costs W an error ~1e-16 / sqrt(2 delta) (W is ill-conditioned near the
+    branch point -1/e; below delta ~ 1e-16, x rounds to -1/e and W to -1); the steps use delta
+    itself, and converge quadratically (g is convex, so from the second step on monotonically)."""
+    if w == 0.0 or math.isinf(w):
+        return w
+    t = math.log(w)
+    if t * side <= 0:  # x rounded onto the branch point: start from k3 ~ t^2 / 2
+        t = side * math.sqrt(2.0 * delta)
+    for _ in range(60):
+        step = (math.expm1(t) - t - delta) / math.expm1(t)
+        t -= step
+        if abs(step) <= 1e-16 * abs(t):
+            break
+    return math.exp(t)
 
 
 @register_divergence("reverse_k3")
