@@ -1,0 +1,246 @@
+"""The math reward: math-verify in a pool of worker processes, with per-item timeouts.
+
+Each worker is ``math_worker.py`` in its own process group, fed chunks of (response, gold) pairs
+over a pipe. The pool survives what a worker can do wrong:
+
+- a worker that dies (killed, out of memory, a crash in native code): it is restarted and its
+  chunk is re-run one item at a time in fresh workers; an item that kills a worker on its own is
+  scored 0 with reason ``crashed``;
+- an item that hangs past math-verify's own alarm (stuck in native code): the chunk's deadline
+  kills the worker, same recovery, reason ``timeout``.
+
+So a batch always returns, with a reason per item, and the pool is whole again afterwards.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megadiv.rewards.base import RewardResult
+
+WORKER = str(Path(__file__).resolve().parent / "math_worker.py")
+
+
+@dataclass(frozen=True)
+class Grade:
+    correct: bool
+    formatted: bool
+    """The response gave its answer in the required format (\\boxed{} or ####)."""
+    reason: str
+    """correct, wrong, unparsable, timeout or crashed."""
+
+
+class _Worker:
+    """One worker process and its partial output line."""
+
+    def __init__(self):
+        # -P: the script's directory (megadiv/rewards, which holds math_reward.py) must not shadow
+        # anything on sys.path.
+        self.proc = subprocess.Popen([sys.executable, "-P", WORKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, start_new_session=True)
+        self.buf = bytearray()
+        self.ready = False
+        self.job: Optional[tuple[list[int], bool, float]] = None  # (item indices, isolated, deadline)
+
+    @property
+    def fd(self) -> int:
+        return self.proc.stdout.fileno()
+
+    def read_lines(self) -> Optional[list[bytes]]:
+        """Complete lines available now; None at end of file (the worker died)."""
+        data = os.read(self.fd, 1 << 20)
+        if not data:
+            return None
+        self.buf += data
+        *lines, rest = bytes(self.buf).split(b"\n")
+        self.buf = bytearray(rest)
+        return lines
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+class MathVerifyPool:
+    """``workers`` math-verify processes; :meth:`grade` scores a batch, never hangs, never raises
+    for anything a response contains."""
+
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, chunk_size: int = 16,
+                 start_timeout_s: float = 120.0):
+        if workers < 1 or chunk_size < 1 or timeout_s <= 0:
+            raise ValueError(f"need workers >= 1, chunk_size >= 1, timeout_s > 0 (got {workers}, {chunk_size}, "
+                             f"{timeout_s})")
+        self.timeout_s = max(1, math.ceil(timeout_s))  # signal.alarm counts whole seconds
+        self.chunk_size, self.start_timeout_s = chunk_size, start_timeout_s
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._workers = [_Worker() for _ in range(workers)]
+        self._wait_ready()
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.kill()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        for w in self._workers:
+            while not w.ready:
+                remaining = deadline - time.monotonic()
+                with selectors.DefaultSelector() as sel:
+                    sel.register(w.fd, selectors.EVENT_READ)
+                    if remaining <= 0 or not sel.select(remaining):
+                        self.close()
+                        raise RuntimeError(f"math-verify worker did not start within {self.start_timeout_s} s")
+                lines = w.read_lines()
+                if lines is None:
+                    self.close()
+                    raise RuntimeError("math-verify worker exited during start-up (is math-verify installed?)")
+                w.ready = w.ready or bool(lines)
+
+    def _replace(self, w: _Worker) -> _Worker:
+        w.kill()
+        self.restarts += 1
+        fresh = _Worker()
+        self._workers[self._workers.index(w)] = fresh
+        return fresh
+
+    def grade(self, responses: Sequence[str], golds: Sequence[str], answer_format: str = "auto") -> list[Grade]:
+        """Grade ``responses[i]`` against ``golds[i]``; answer_format: auto, boxed or hash."""
+        if len(responses) != len(golds):
+            raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+        if answer_format not in ("auto", "boxed", "hash"):
+            raise ValueError(f"answer_format must be auto, boxed or hash, got {answer_format!r}")
+        with self._lock:
+            return self._grade(list(map(str, responses)), list(map(str, golds)), answer_format)
+
+    def _grade(self, responses, golds, answer_format) -> list[Grade]:
+        results: list[Optional[Grade]] = [None] * len(responses)
+        queue = collections.deque((list(range(i, min(i + self.chunk_size, len(responses)))), False)
+                                  for i in range(0, len(responses), self.chunk_size))
+        # Worst case per item: gold parse, answer parse and up to 4 comparisons, each under an alarm.
+        budget = lambda n: 10.0 + n * 6 * self.timeout_s  # noqa: E731
+
+        def fail(w: _Worker, reason: str) -> _Worker:
+            items, isolated, _ = w.job
+            if isolated:  # this item alone broke a worker
+                results[items[0]] = Grade(False, False, reason)
+            else:  # find the culprit: re-run each item on its own
+                queue.extend(([i], True) for i in items)
+            fresh = self._replace(w)
+            return fresh
+
+        pending_start: dict[int, float] = {}
+        while queue or any(w.job for w in self._workers):
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.job is None and w.ready and queue:
+                    items, isolated = queue.popleft()
+                    w.job = (items, isolated, now + budget(len(items)))
+                    req = {"items": [[responses[i], golds[i]] for i in items], "answer_format": answer_format,
+                           "timeout_s": self.timeout_s}
+                    try:
+                        w.proc.stdin.write((json.dumps(req) + "\n").encode())
+                        w.proc.stdin.flush()
+                    except OSError:  # died while idle
+                        fail(w, "crashed")
+            busy = [w for w in self._workers if w.job or not w.ready]
+            for w in busy:
+                if not w.ready:
+                    pending_start.setdefault(w.proc.pid, now + self.start_timeout_s)
+            deadlines = [w.job[2] for w in busy if w.job] + [pending_start[w.proc.pid] for w in busy if not w.ready]
+            with selectors.DefaultSelector() as sel:
+                for w in busy:
+                    sel.register(w.fd, selectors.EVENT_READ, w)
+                ready = sel.select(max(0.0, min(deadlines) - now)) if busy else []
+            for key, _ in ready:
+                w = key.data
+                lines = w.read_lines()
+                if lines is None:
+                    if w.job:
+                        fail(w, "crashed")
+                    else:
+                        self._replace(w)
+                    continue
+                for line in lines:
+                    if not w.ready:
+                        w.ready = True  # the start-up line
+                        continue
+                    items, _, _ = w.job
+                    for i, (correct, formatted, reason) in zip(items, json.loads(line)["results"]):
+                        results[i] = Grade(bool(correct), bool(formatted), reason)
+                    w.job = None
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.job and now > w.job[2]:
+                    fail(w, "timeout")
+                elif not w.ready and now > pending_start.get(w.proc.pid, now + 1):
+                    raise RuntimeError(f"math-verify worker did not start within {self.start_timeout_s} s")
+        return results
+
+
+_default_pool: Optional[MathVerifyPool] = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> MathVerifyPool:
+    """The process-wide pool behind :func:`math_scores` (min(2, cores) workers), started on first use."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None:
+            _default_pool = MathVerifyPool(workers=min(2, os.cpu_count() or 1))
+            atexit.register(_default_pool.close)
+        return _default_pool
+
+
+def math_scores(responses: list[str], golds: list[str]) -> list[float]:
+    """1.0 where the response's final answer equals the gold answer (math-verify), else 0.0.
+
+    The answer is read from the last ``\\boxed{}``, else after the last ``####``, else wherever
+    math-verify finds one. Golds are bare answers (``72``, ``\\frac{14}{3}``).
+    """
+    return [float(g.correct) for g in default_pool().grade(responses, golds)]
+
+
+class MathReward:
+    """score = correct + format_weight * formatted, graded by a :class:`MathVerifyPool`."""
+
+    def __init__(self, workers: int, timeout_s: float, answer_format: str, format_weight: float):
+        self.answer_format, self.format_weight = answer_format, format_weight
+        self.pool = MathVerifyPool(workers=workers, timeout_s=timeout_s)
+
+    def __call__(self, responses: Sequence[str], records: Sequence) -> RewardResult:
+        if any(r.answer is None for r in records):
+            raise ValueError("the math reward needs records with an answer (is this a code dataset?)")
+        grades = self.pool.grade(responses, [r.answer for r in records], self.answer_format)
+        return RewardResult([float(g.correct) + self.format_weight * g.formatted for g in grades],
+                            [g.reason for g in grades])
+
+    def close(self) -> None:
+        self.pool.close()
