@@ -21,6 +21,7 @@ tensors are fresh (never views of parameters), so the consumer may keep or modif
 """
 from __future__ import annotations
 
+import math
 from itertools import groupby
 from typing import Iterator
 
@@ -98,7 +99,7 @@ def _buckets(planned: list[PlannedTensor], bucket_bytes: int, element: int) -> I
     bucket, size = [], 0
     for _, group in groupby(planned, key=lambda t: t.megatron_name):
         group = list(group)
-        nbytes = sum(element * _numel(t.shape) for t in group)
+        nbytes = sum(element * math.prod(t.shape) for t in group)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -108,14 +109,7 @@ def _buckets(planned: list[PlannedTensor], bucket_bytes: int, element: int) -> I
         yield bucket
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def hf_bytes(model) -> int:
-    """Total bytes of the exported HF tensors in the parameters' dtype."""
+def bucket_count(model, bucket_bytes: int) -> int:
+    """How many buckets iter_hf_weight_buckets(model, bucket_bytes) yields (no communication)."""
     element = torch.empty((), dtype=model.config.params_dtype).element_size()
-    return sum(element * _numel(t.shape) for t in plan(model.arch))
+    return sum(1 for _ in _buckets(plan(model.arch), bucket_bytes, element))

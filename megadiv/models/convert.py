@@ -1,0 +1,184 @@
+"""``megadiv convert``: Hugging Face safetensors <-> megatron-core distributed checkpoints.
+
+    # small models: one process (TP = PP = 1)
+    megadiv convert hf-to-megatron --hf-dir Qwen2.5-0.5B --out ckpt/qwen-mcore
+    megadiv convert megatron-to-hf --ckpt-dir ckpt/qwen-mcore --hf-template Qwen2.5-0.5B --out qwen-hf
+    # large models: TP x PP processes, each holding one shard (several nodes: docs/models.md)
+    torchrun --nproc-per-node 8 -m megadiv.cli convert hf-to-megatron --hf-dir D --out D --tp 4 --pp 2
+
+hf-to-megatron streams the safetensors files: every rank reads only its own TP shard of its own
+pipeline stage's layers, then the ranks write one megatron-core distributed checkpoint (loadable
+at any TP/PP). megatron-to-hf loads that checkpoint at --tp/--pp, gathers HF tensors bucket by
+bucket (megadiv.models.export) and rank 0 writes each bucket as one safetensors file, plus the
+index, config.json (dtype updated) and the template's tokenizer files. Missing, extra or
+mis-shaped tensors stop the run naming the tensor and both shapes; outputs are written to
+``<out>.partial`` and renamed at the very end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from megadiv.config import ConfigError, ModelConfig, ParallelConfig
+from megadiv.models.checkpoint import CheckpointError, read_metadata
+from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
+from megadiv.models.loading import WeightMismatchError
+
+log = logging.getLogger("megadiv.convert")
+
+# files of a HF checkpoint directory that are weights, not to be copied from the template
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|h5|msgpack)$|.*\.index\.json$")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron distributed checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True)
+    to_mcore.add_argument("--out", required=True, help="checkpoint directory to create")
+    to_mcore.add_argument("--stage-layers", default=None,
+                          help="layers per pipeline stage, comma-separated (default: even, or uneven ends)")
+    to_mcore.add_argument("--overwrite", action="store_true")
+    to_hf = sub.add_parser("megatron-to-hf", help="megatron distributed checkpoint -> HF safetensors")
+    to_hf.add_argument("--ckpt-dir", required=True)
+    to_hf.add_argument("--hf-template", required=True, help="HF directory giving config.json and tokenizer files")
+    to_hf.add_argument("--out", required=True, help="HF directory to create")
+    to_hf.add_argument("--shard-size", default="2GB", help="bytes per safetensors file (e.g. 500MB, 2GB)")
+    for p in (to_mcore, to_hf):
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (world size must be tp*pp)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+        p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: the source checkpoint's dtype")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from megadiv.parallel import shutdown
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    owns_groups = not dist.is_initialized()  # called from a running job: leave its groups alone
+    try:
+        if args.direction == "hf-to-megatron":
+            hf_to_megatron(args)
+        else:
+            megatron_to_hf(args)
+    except (ConfigError, WeightMismatchError, CheckpointError, FileExistsError) as e:
+        print(f"megadiv convert {args.direction}: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if owns_groups and dist.is_initialized():
+            shutdown()
+    return 0
+
+
+def hf_to_megatron(args: argparse.Namespace) -> Path:
+    from megadiv.models.builder import build_model
+    from megadiv.models.checkpoint import save_megatron_checkpoint
+
+    arch = arch_from_hf_config(load_hf_config(args.hf_dir))
+    if Path(args.out).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.out} exists (use --overwrite)")
+    _start(args.tp, args.pp)
+    stage_layers = [int(n) for n in args.stage_layers.split(",")] if args.stage_layers else None
+    model = build_model(ModelConfig(hf_dir=args.hf_dir, params_dtype=args.dtype or arch.dtype, transformer_impl="local"),
+                        role="reference", stage_layers=stage_layers)
+    out = save_megatron_checkpoint(model, args.out, overwrite=args.overwrite)
+    log.info("wrote megatron checkpoint %s (TP=%d, PP=%d, %s)", out, args.tp, args.pp, model.config.params_dtype)
+    return out
+
+
+def megatron_to_hf(args: argparse.Namespace) -> Path:
+    from megadiv.models.builder import build_model
+    from megadiv.models.checkpoint import load_megatron_checkpoint
+
+    meta = read_metadata(args.ckpt_dir)
+    template = load_hf_config(args.hf_template)
+    stored, given = arch_from_hf_config(meta["hf_config"]), arch_from_hf_config(template)
+    diff = {k: (v, given.__dict__[k]) for k, v in stored.__dict__.items() if k != "dtype" and given.__dict__[k] != v}
+    if diff:
+        raise CheckpointError(f"--hf-template {args.hf_template} describes another architecture than {args.ckpt_dir}; "
+                              f"(checkpoint, template) differ in {diff}")
+    if Path(args.out).exists():
+        raise FileExistsError(f"{args.out} exists")
+    _start(args.tp, args.pp)
+    model = build_model(ModelConfig(hf_dir=args.hf_template, params_dtype=args.dtype or meta["dtype"],
+                                    transformer_impl="local"), role="reference", load_weights=False)
+    load_megatron_checkpoint(model, args.ckpt_dir)
+    return write_hf_checkpoint(model, args.out, args.hf_template, parse_size(args.shard_size))
+
+
+def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_bytes: int) -> Path:
+    """Collective: gather ``model`` bucket by bucket; rank 0 writes each bucket as one safetensors
+    file, then the index, config.json and the template's other files, into ``<out>.partial``,
+    renamed to ``out`` when complete."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from megadiv.models.export import bucket_count, iter_hf_weight_buckets
+
+    out = Path(out)
+    partial = out.with_name(out.name + ".partial")
+    writer = dist.get_rank() == 0
+    if writer:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    files = bucket_count(model, shard_bytes)
+    weight_map, total = {}, 0
+    for k, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes)):
+        if not writer:
+            continue
+        name = "model.safetensors" if files == 1 else f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+        tensors = {hf_name: t.cpu().contiguous() for hf_name, t in bucket}
+        save_file(tensors, str(partial / name), metadata={"format": "pt"})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        total += size
+        weight_map.update(dict.fromkeys(tensors, name))
+        log.info("[%d/%d] wrote %s (%d tensors, %.1f MiB)", k + 1, files, name, len(tensors), size / 2**20)
+    if writer:
+        if files > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for f in Path(template_dir).iterdir():
+            if f.is_file() and f.name != "config.json" and not _WEIGHT_FILE.match(f.name):
+                shutil.copy2(f, partial / f.name)
+        config = dict(model.hf_config)
+        config.pop("torch_dtype", None)
+        config["dtype"] = str(model.config.params_dtype).removeprefix("torch.")
+        (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        partial.rename(out)
+        log.info("wrote Hugging Face checkpoint %s (%.1f MiB)", out, total / 2**20)
+    dist.barrier()
+    return out
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2 * 2**30 (binary multiples; K/M/G/T with optional B or iB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"cannot read size {text!r}; use e.g. 500MB or 2GB")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _start(tp: int, pp: int) -> None:
+    import torch.distributed as dist
+
+    from megadiv.parallel import info, initialize
+
+    if dist.is_initialized():  # inside a running job: its layout must be the requested one
+        have = info()
+        if (have.tp_size, have.pp_size) != (tp, pp):
+            raise ConfigError(f"--tp {tp} --pp {pp} differs from the running job's TP={have.tp_size} PP={have.pp_size}")
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * pp:
+        raise ConfigError(
+            f"--tp {tp} --pp {pp} needs {tp * pp} processes, this run has {world}; launch it as "
+            f"torchrun --nproc-per-node {tp * pp} -m megadiv.cli convert ... (several nodes: docs/models.md)")
+    initialize(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
