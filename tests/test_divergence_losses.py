@@ -328,6 +328,23 @@ def test_full_vocab_regularizer_and_clip_divergence_inputs(scratch_vocab_measure
                 (clipped * b["mask"]).sum() / b["mask"].sum())
 
 
+def test_full_prob_l2_regularizer_from_the_vocab_parallel_library():
+    """The real full-vocabulary ProbL2 (TP = 1) as GBMPO's regulariser: the loss adds
+    coef * token-mean(sum_v (p_v - p_ref,v)^2), and its gradient reaches the logits."""
+    b = make_batch(B=3, T=4, seed=13)
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(12, 7, generator=g, dtype=F64, requires_grad=True)  # [B*T, V]
+    logits_ref = torch.randn(12, 7, generator=g, dtype=F64)
+    cfg = PolicyLossConfig(regularizer="full_prob_l2", regularizer_coef=0.3)
+    vd = get_divergence("full_prob_l2")(logits, logits_ref).view(3, 4)
+    loss, _ = compute_policy_loss(cfg, b["logp"], b["logp_old"], b["adv"], b["mask"], vocab_divergence=vd)
+    closed = ((torch.softmax(logits, -1) - torch.softmax(logits_ref, -1)) ** 2).sum(-1).view(3, 4)
+    loss0, _ = compute_policy_loss(PolicyLossConfig(), b["logp"], b["logp_old"], b["adv"], b["mask"])
+    want = loss0 + 0.3 * (closed * b["mask"]).sum() / b["mask"].sum()
+    assert_same(loss, want)
+    assert_same(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(want, logits)[0])
+
+
 # --------------------------------------------------------------------------- aggregation
 
 

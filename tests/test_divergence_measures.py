@@ -3,6 +3,8 @@ the ratio-measure contract. Parametrised over the registry, so a new measure is 
 automatically (and fails ``test_every_token_measure_has_a_closed_form`` until its closed form is
 written down here). Full-vocabulary measures are tested by tests/test_vocab_parallel*.py."""
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,3 +153,11 @@ def test_new_measure_is_one_class(scratch_measure):
     assert math.isclose(low, math.exp(-0.3), rel_tol=1e-15) and math.isclose(high, math.exp(0.3), rel_tol=1e-15)
     logp, logp_base = _logps()
     torch.testing.assert_close(get_divergence(scratch_measure)(logp, logp_base), (logp - logp_base).abs())
+
+
+def test_divergence_imports_nothing_else_from_megadiv():
+    """The library is pure torch: importing it loads no other megadiv package."""
+    code = ("import sys, megadiv.divergence; "
+            "print(sorted(m for m in sys.modules if m.startswith('megadiv.') and not m.startswith('megadiv.divergence')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -6,12 +6,16 @@
     losses        PolicyLossConfig + compute_policy_loss: surrogates, KL, regularisers, TIS, aggregation
     advantages    AdvantageConfig + compute_advantages: GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline
     metrics       per-step statistics
+    vocab_parallel  log-probs, entropy and separable divergences from vocab-sharded logits
+    full_vocab    full-distribution measures (full_kl, full_prob_l2, full_mirror), registered
+    mirror_map    the neural mirror map of GBMPO
 
-The mathematics is in docs/divergences.md.
+The mathematics is in docs/divergences.md and docs/vocab_parallel.md.
 """
 from megadiv.divergence.registry import (DIVERGENCES, RatioDivergence, TokenDivergence, VocabDivergence,
                                          get_divergence, names_of_kind, register_divergence)
 from megadiv.divergence import measures  # noqa: F401  (registers the token measures)
+from megadiv.divergence import full_vocab, mirror_map, vocab_parallel  # noqa: F401  (registers the vocab measures)
 from megadiv.divergence.advantages import ADVANTAGES, AdvantageConfig, compute_advantages, register_advantage
 from megadiv.divergence.bounds import equivalent_deltas, ratio_bounds
 from megadiv.divergence.clipping import clip_surrogate
