@@ -30,8 +30,9 @@ class SeparableVocabDivergence(VocabDivergence):
         super().__init__()
         self.chunk_size = chunk_size
 
-    def pointwise(self, a, b, p, q, base_grad: bool):
-        """(f, df/da, df/db or None) elementwise, a = log p, b = log q; chunks [rows, V_valid]."""
+    def pointwise(self, a, b, p, q, value: bool, base_grad: bool):
+        """(f or None, df/da, df/db or None) elementwise, a = log p, b = log q; chunks
+        [rows, V_valid]; f only with ``value``, df/db only with ``base_grad``."""
         raise NotImplementedError
 
     def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
@@ -43,9 +44,8 @@ class SeparableVocabDivergence(VocabDivergence):
 class FullKL(SeparableVocabDivergence):
     """KL(p || q) = sum_v p_v (a_v - b_v): f = p (a - b), df/da = p (a - b + 1), df/db = -p."""
 
-    def pointwise(self, a, b, p, q, base_grad):
-        log_ratio = a - b
-        f = p * log_ratio
+    def pointwise(self, a, b, p, q, value, base_grad):
+        f = p * (a - b)
         return f, f + p, (-p if base_grad else None)
 
 
@@ -53,10 +53,10 @@ class FullKL(SeparableVocabDivergence):
 class FullProbL2(SeparableVocabDivergence):
     """sum_v (p_v - q_v)^2: f = (p - q)^2, df/da = 2 (p - q) p, df/db = -2 (p - q) q."""
 
-    def pointwise(self, a, b, p, q, base_grad):
+    def pointwise(self, a, b, p, q, value, base_grad):
         diff = p - q
         two_diff = 2 * diff
-        return diff * diff, two_diff * p, (-two_diff * q if base_grad else None)
+        return (diff * diff if value else None), two_diff * p, (-two_diff * q if base_grad else None)
 
 
 @register_divergence("full_mirror")
@@ -73,14 +73,14 @@ class FullMirrorBregman(SeparableVocabDivergence):
         super().__init__(chunk_size)
         self.mirror_map = mirror_map if mirror_map is not None else NeuralMirrorMap()
 
-    def pointwise(self, a, b, p, q, base_grad):
-        h = self.mirror_map
+    def pointwise(self, a, b, p, q, value, base_grad):
         p_c, q_c = p.clamp_min(PROB_FLOOR), q.clamp_min(PROB_FLOOR)
-        slope_q = h.h_prime(q_c)
+        h_p, slope_p, _ = self.mirror_map.terms(p_c, value=value, curvature=False)
+        h_q, slope_q, curv_q = self.mirror_map.terms(q_c, value=value, curvature=base_grad)
         diff = p_c - q_c
-        f = h.h(p_c) - h.h(q_c) - slope_q * diff
-        f_a = torch.where(p > PROB_FLOOR, p * (h.h_prime(p_c) - slope_q), 0.0)
-        f_b = torch.where(q > PROB_FLOOR, -q * h.h_second(q_c) * diff, 0.0) if base_grad else None
+        f = h_p - h_q - slope_q * diff if value else None
+        f_a = torch.where(p > PROB_FLOOR, p * (slope_p - slope_q), 0.0)
+        f_b = torch.where(q > PROB_FLOOR, -q * curv_q * diff, 0.0) if base_grad else None
         return f, f_a, f_b
 
     def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):

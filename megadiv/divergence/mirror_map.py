@@ -37,15 +37,21 @@ PROB_FLOOR = 1e-10
 NUM_PARAMETERS = 3 * len(GROUPS) * NEURONS_PER_GROUP + 2      # v, w, b per neuron; a; c = 380
 
 
-def _div_or(num: torch.Tensor, den: torch.Tensor, at_zero: float) -> torch.Tensor:
-    """num / den where den != 0, else ``at_zero`` (the limit); safe for autograd at den = 0."""
-    zero = den == 0
-    return torch.where(zero, torch.full_like(num, at_zero), num / torch.where(zero, 1.0, den))
+def _over(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den for den >= 0 where den = 0 only with num = 0 (the limit there is 0)."""
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+
+
+def _ratio_at_zero_one(fn, t: torch.Tensor) -> torch.Tensor:
+    """fn(t) / t for t >= 0 with fn(t) ~ t at 0 (log1p, expm1): the t -> 0 limit 1 comes out of
+    evaluating at the smallest normal float instead of 0 (fn(tiny) = tiny exactly)."""
+    t = t.clamp_min(torch.finfo(t.dtype).tiny)
+    return fn(t) / t
 
 
 def _act(group: str, u: torch.Tensor) -> torch.Tensor:
     if group == "cube":
-        return u ** 3
+        return u * u * u
     if group == "square":
         return u * u
     if group == "sqrt":
@@ -65,9 +71,9 @@ def _act_derivative(group: str, u: torch.Tensor) -> torch.Tensor:
     if group == "square":
         return 2 * u
     if group == "sqrt":
-        return _div_or(torch.ones_like(u), 2 * u.sqrt(), 0.0)
+        return _over(torch.ones_like(u), 2 * u.sqrt()).masked_fill_(u == 0, 0)
     if group == "cbrt":
-        return _div_or(torch.ones_like(u), 3 * u.pow(2.0 / 3.0), 0.0)
+        return _over(torch.ones_like(u), 3 * u.pow(2.0 / 3.0)).masked_fill_(u == 0, 0)
     if group == "log":
         return 1 / (u.clamp_min(0) + LOG_EPS)
     return torch.exp(u)
@@ -76,18 +82,18 @@ def _act_derivative(group: str, u: torch.Tensor) -> torch.Tensor:
 def _mean_act(group: str, u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(G(u) - G(b)) / (u - b), G' = act, for u >= b >= 0 (see the module docstring)."""
     if group == "cube":
-        return (u ** 3 + u * u * b + u * b * b + b ** 3) / 4
+        return (u + b) * (u * u + b * b) / 4              # u^3 + u^2 b + u b^2 + b^3 factored
     if group == "square":
         return (u * u + u * b + b * b) / 3
     if group == "sqrt":
-        return _div_or(2 * (u + (u * b).sqrt() + b), 3 * (u.sqrt() + b.sqrt()), 0.0)
+        ru, rb = u.sqrt(), b.sqrt()
+        return _over(2 * (u + ru * rb + b), 3 * (ru + rb))
     if group == "cbrt":
         r, s = u.pow(1.0 / 3.0), b.pow(1.0 / 3.0)
-        return _div_or(3 * (r ** 3 + r * r * s + r * s * s + s ** 3), 4 * (r * r + r * s + s * s), 0.0)
+        return _over(3 * (r + s) * (r * r + s * s), 4 * (r * r + r * s + s * s))
     if group == "log":
-        t = (u - b) / (b + LOG_EPS)
-        return torch.log(u + LOG_EPS) - 1 + _div_or(torch.log1p(t), t, 1.0)
-    return torch.exp(b) * _div_or(torch.expm1(u - b), u - b, 1.0)
+        return torch.log(u + LOG_EPS) - 1 + _ratio_at_zero_one(torch.log1p, (u - b) / (b + LOG_EPS))
+    return torch.exp(b) * _ratio_at_zero_one(torch.expm1, u - b)
 
 
 class NeuralMirrorMap(nn.Module):
@@ -127,36 +133,39 @@ class NeuralMirrorMap(nn.Module):
             self.c.copy_(vec[3 * n + 1])
         return self
 
-    def _neurons(self, y: torch.Tensor):
-        """For each group: (name, u = w y + b [..., 21], b [21], w [21], v [21]) in y's dtype."""
-        for k, group in enumerate(GROUPS):
-            v, w, b = (p[k].to(y.dtype) for p in (self.v, self.w, self.b))
-            yield group, y.unsqueeze(-1) * w + b, b, w, v
-
-    def h(self, y: torch.Tensor) -> torch.Tensor:
+    def terms(self, y: torch.Tensor, value: bool = True, slope: bool = True,
+              curvature: bool = True) -> tuple[torch.Tensor | None, ...]:
+        """(h(y), h'(y), h''(y)) elementwise, each None unless asked for; y clamped at 1e-10.
+        One sweep over the neurons (u = w y + b: [..., 21] per group) serves all three."""
         y = y.clamp_min(PROB_FLOOR)
         a, c = self.a.to(y.dtype), self.c.to(y.dtype)
-        out = 0.5 * a * y * y + c * (y * torch.log(y) - y)
-        for group, u, b, _, v in self._neurons(y):
-            out = out + y * (_mean_act(group, u, b) @ v)
-        return out
+        log_y = torch.log(y)
+        h = 0.5 * a * y * y + c * (y * log_y - y) if value else None
+        h1 = a * y + c * log_y if slope else None
+        h2 = a + c / y if curvature else None
+        for k, group in enumerate(GROUPS):
+            v, w, b = (p[k].to(y.dtype) for p in (self.v, self.w, self.b))
+            u = y.unsqueeze(-1) * w + b
+            if value:
+                h = h + y * (_mean_act(group, u, b) @ v)
+            if slope:
+                h1 = h1 + _act(group, u) @ v
+            if curvature:
+                h2 = h2 + _act_derivative(group, u) @ (v * w)
+        return h, h1, h2
+
+    def h(self, y: torch.Tensor) -> torch.Tensor:
+        return self.terms(y, slope=False, curvature=False)[0]
 
     def h_prime(self, y: torch.Tensor) -> torch.Tensor:
-        y = y.clamp_min(PROB_FLOOR)
-        out = self.a.to(y.dtype) * y + self.c.to(y.dtype) * torch.log(y)
-        for group, u, _, _, v in self._neurons(y):
-            out = out + _act(group, u) @ v
-        return out
+        return self.terms(y, value=False, curvature=False)[1]
 
     def h_second(self, y: torch.Tensor) -> torch.Tensor:
-        y = y.clamp_min(PROB_FLOOR)
-        out = self.a.to(y.dtype) + self.c.to(y.dtype) / y
-        for group, u, _, w, v in self._neurons(y):
-            out = out + _act_derivative(group, u) @ (v * w)
-        return out
+        return self.terms(y, value=False, slope=False)[2]
 
     def bregman(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """Elementwise D(p || q) = h(p) - h(q) - h'(q) (p - q) of probabilities (clamped at 1e-10);
         differentiable by autograd (GBMPO's sampled-token form applies it to p_t, p_ref,t)."""
         p, q = p.clamp_min(PROB_FLOOR), q.clamp_min(PROB_FLOOR)
-        return self.h(p) - self.h(q) - self.h_prime(q) * (p - q)
+        h_q, slope_q, _ = self.terms(q, curvature=False)
+        return self.h(p) - h_q - slope_q * (p - q)

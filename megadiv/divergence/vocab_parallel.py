@@ -35,10 +35,11 @@ import torch.distributed as dist
 # a CPU core's L2/L3 cache; on GPUs a larger chunk (e.g. 1024 tokens) amortises kernel launches.
 CHUNK_ELEMENTS = 1 << 19
 
-# pointwise(a, b, p, q, base_grad) -> (f, F, G) for a separable divergence D = sum_v f(a_v, b_v),
-# with a = log p, b = log q (chunks [rows, V_valid]); F = df/da, G = df/db (None unless base_grad).
-Pointwise = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool],
-                     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# pointwise(a, b, p, q, value, base_grad) -> (f, F, G) for a separable divergence
+# D = sum_v f(a_v, b_v), a = log p, b = log q (chunks [rows, V_valid]); F = df/da and G = df/db;
+# f is None unless ``value`` (the backward needs only F, G), G None unless ``base_grad``.
+Pointwise = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, bool],
+                     tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ class _SeparableDivergence(torch.autograd.Function):
             for rs in shard.chunks(z.shape[0]):
                 a = z[rs, :shard.valid].to(dtype) - log_z[rs].unsqueeze(1)
                 b = z_b[rs, :shard.valid].to(dtype) - log_z_b[rs].unsqueeze(1)
-                f, f_a, f_b = pointwise(a, b, torch.exp(a), torch.exp(b), base_grad)
+                f, f_a, f_b = pointwise(a, b, torch.exp(a), torch.exp(b), True, base_grad)
                 sums[0, rs] = f.sum(dim=-1)
                 sums[1, rs] = f_a.sum(dim=-1)
                 if base_grad:
@@ -285,7 +286,7 @@ class _SeparableDivergence(torch.autograd.Function):
                     a = z[rs, :shard.valid].to(dtype) - log_z[rs].unsqueeze(1)
                     b = z_b[rs, :shard.valid].to(dtype) - log_z_b[rs].unsqueeze(1)
                     p, q = torch.exp(a), torch.exp(b)
-                    _, f_a, f_b = pointwise(a, b, p, q, want_base)
+                    _, f_a, f_b = pointwise(a, b, p, q, False, want_base)
                     if want:   # g (F - p sum F)
                         grad[rs, :shard.valid] = p.mul_(-sum_f_a[rs].unsqueeze(1)).add_(f_a).mul_(g[rs])
                     if want_base:

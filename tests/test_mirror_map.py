@@ -1,0 +1,124 @@
+"""The neural mirror map: 380 parameters, closed-form antiderivatives, h' and h'' by autograd,
+convexity (D >= 0), and the special cases h = y^2 (ProbL2) and h = y log y - y (KL)."""
+import math
+
+import pytest
+import torch
+
+from megadiv.divergence.full_vocab import FullKL, FullMirrorBregman, FullProbL2
+from megadiv.divergence.mirror_map import (GROUPS, LOG_EPS, NEURONS_PER_GROUP, NUM_PARAMETERS,
+                                           NeuralMirrorMap, _act, _mean_act)
+
+F64 = torch.float64
+
+
+def mirror(seed: int, scale: float = 0.01) -> NeuralMirrorMap:
+    return NeuralMirrorMap(init_scale=scale, generator=torch.Generator().manual_seed(seed))
+
+
+def only(**values) -> NeuralMirrorMap:
+    """A mirror map with every parameter 0 except the named scalars (a, c)."""
+    vec = torch.zeros(NUM_PARAMETERS, dtype=F64)
+    vec[-2], vec[-1] = values.get("a", 0.0), values.get("c", 0.0)
+    return NeuralMirrorMap().from_vector(vec)
+
+
+def test_parameter_count_and_vector_round_trip():
+    m = mirror(0)
+    assert NUM_PARAMETERS == 380 == sum(p.numel() for p in m.parameters())
+    assert len(GROUPS) * NEURONS_PER_GROUP == 126
+    vec = torch.rand(380, dtype=F64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(mirror(2).from_vector(vec).to_vector(), vec)
+    vec[[0, 200, 379]] = -1.0                         # projected onto the convex (nonnegative) set
+    out = mirror(2).from_vector(vec).to_vector()
+    assert out[[0, 200, 379]].eq(0).all() and torch.equal(out[1:200], vec[1:200])
+    with pytest.raises(ValueError, match="380"):
+        m.from_vector(torch.zeros(379))
+
+
+# G with G' = act, the textbook antiderivatives: an independent reference for H = (G(u) - G(b)) / w.
+ANTIDERIVATIVES = {
+    "cube": lambda u: u ** 4 / 4,
+    "square": lambda u: u ** 3 / 3,
+    "sqrt": lambda u: 2 / 3 * u ** 1.5,
+    "cbrt": lambda u: 3 / 4 * u ** (4 / 3),
+    "log": lambda u: (u + LOG_EPS) * torch.log(u + LOG_EPS) - u,
+    "exp": torch.exp,
+}
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_antiderivative_closed_forms(group):
+    g = torch.Generator().manual_seed(3)
+    y = torch.rand(200, 1, generator=g, dtype=F64)
+    w = 0.1 + 2 * torch.rand(7, generator=g, dtype=F64)
+    b = torch.cat([torch.zeros(1, dtype=F64), 2 * torch.rand(6, generator=g, dtype=F64)])
+    u = y * w + b                                                     # [200, 7]
+    H = y * _mean_act(group, u, b)
+    G = ANTIDERIVATIVES[group]
+    torch.testing.assert_close(H, (G(u) - G(b)) / w, rtol=1e-12, atol=1e-14)
+    # w -> 0 (no division by w in the closed form): H(y) = act(b) y exactly
+    zero_w = y * _mean_act(group, torch.zeros(1, dtype=F64) * y + b, b)
+    torch.testing.assert_close(zero_w, y * _act(group, b), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0])
+def test_h_prime_and_h_second_are_derivatives(scale):
+    m = mirror(4, scale)
+    y = torch.cat([torch.logspace(-9, 0, 60, dtype=F64), torch.rand(40, dtype=F64)]).requires_grad_()
+    h = m.h(y)
+    (dh,) = torch.autograd.grad(h.sum(), y)
+    torch.testing.assert_close(dh, m.h_prime(y).detach(), rtol=1e-10, atol=1e-12)
+    (d2h,) = torch.autograd.grad(m.h_prime(y).sum(), y)
+    torch.testing.assert_close(d2h, m.h_second(y).detach(), rtol=1e-10, atol=1e-12)
+    assert (m.h_second(y) > 0).all()                                   # convex
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.5, 3.0])
+def test_bregman_is_nonnegative_and_zero_on_the_diagonal(scale):
+    g = torch.Generator().manual_seed(5)
+    m = mirror(6, scale)
+    p = torch.softmax(4 * torch.randn(64, 50, generator=g, dtype=F64), -1)
+    q = torch.softmax(4 * torch.randn(64, 50, generator=g, dtype=F64), -1)
+    d = m.bregman(p, q)
+    assert d.min() >= -1e-12 * m.h(p).abs().max()
+    assert d.sum() > 0
+    torch.testing.assert_close(m.bregman(p, p), torch.zeros_like(p), rtol=0, atol=1e-15)
+
+
+def test_special_cases_prob_l2_and_kl():
+    g = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(8, 30, generator=g, dtype=F64), -1)
+    q = torch.softmax(torch.randn(8, 30, generator=g, dtype=F64), -1)
+    torch.testing.assert_close(only(a=2.0).bregman(p, q), (p - q) ** 2, rtol=1e-12, atol=1e-15)
+    # h = y log y - y: D = p log(p/q) - p + q, whose sum over a distribution is KL(p || q)
+    torch.testing.assert_close(only(c=1.0).bregman(p, q), p * torch.log(p / q) - p + q,
+                               rtol=1e-10, atol=1e-15)
+
+
+def test_full_mirror_reduces_to_full_prob_l2_and_full_kl():
+    """The full-vocabulary measures agree where their mirror maps coincide (moderate logits, so
+    no probability reaches the 1e-10 clamp)."""
+    g = torch.Generator().manual_seed(8)
+    z, zb = (torch.randn(9, 40, generator=g, dtype=F64) for _ in range(2))
+    for h, other in ((only(a=2.0), FullProbL2()), (only(c=1.0), FullKL())):
+        z1, zb1 = z.clone().requires_grad_(), zb.clone().requires_grad_()
+        z2, zb2 = z.clone().requires_grad_(), zb.clone().requires_grad_()
+        d1, d2 = FullMirrorBregman(h, chunk_size=4)(z1, zb1), other(z2, zb2)
+        torch.testing.assert_close(d1, d2, rtol=1e-10, atol=1e-14)
+        d1.sum().backward()
+        d2.sum().backward()
+        torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-9, atol=1e-13)
+        torch.testing.assert_close(zb1.grad, zb2.grad, rtol=1e-9, atol=1e-13)
+
+
+def test_vector_is_float64_and_sets_the_measure():
+    """An outer search sets the map through from_vector and the measure changes accordingly."""
+    h = mirror(9)
+    measure = FullMirrorBregman(h)
+    z, zb = torch.randn(3, 20, dtype=F64), torch.randn(3, 20, dtype=F64)
+    before = measure(z, zb)
+    h.from_vector(h.to_vector() * 2)
+    assert h.to_vector().dtype == F64
+    assert not torch.allclose(before, measure(z, zb))
+    assert math.isfinite(float(measure(z.float(), zb.float()).sum()))

@@ -1,0 +1,209 @@
+"""Vocab-parallel primitives and full-vocabulary measures.
+
+TP=1 (group=None): values against plain torch on the gathered vocabulary (log_softmax, entropy,
+kl_div, softmax), float64 gradcheck of every primitive and every registered VocabDivergence,
+padding, chunking, half precision, in-place backward, saved memory. Under torchrun/gloo: TP=2
+and TP=4 values and gradients equal TP=1 (tests/dist/vocab_parallel.py, one launch per size).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megadiv.divergence.full_vocab  # noqa: F401  (registers the full-vocabulary measures)
+from megadiv.divergence import vocab_parallel as vp
+from megadiv.divergence.registry import VocabDivergence, get_divergence, names_of_kind
+from tests.torchrun import run_torchrun
+
+F64 = torch.float64
+VOCAB_MEASURES = names_of_kind(VocabDivergence)
+
+
+def logits(tokens=6, vocab=13, padded=16, seed=0, dtype=F64, lead=()):
+    """Two logit tensors [*lead, tokens, padded] whose columns >= vocab are garbage padding, and
+    targets [*lead, tokens] < vocab."""
+    g = torch.Generator().manual_seed(seed)
+    z = 3 * torch.randn(*lead, tokens, padded, generator=g, dtype=F64)
+    zb = z + torch.randn(*lead, tokens, padded, generator=g, dtype=F64)
+    z[..., vocab:], zb[..., vocab:] = 40.0, -40.0
+    t = torch.randint(0, vocab, (*lead, tokens), generator=g)
+    return z.to(dtype), zb.to(dtype), t
+
+
+def reference_measure(name, z, zb, vocab):
+    """Independent gathered-vocabulary computation of each registered full-vocabulary measure."""
+    a, b = torch.log_softmax(z[..., :vocab], -1), torch.log_softmax(zb[..., :vocab], -1)
+    if name == "full_kl":   # kl_div(input=log q, target=log p) = p (log p - log q): KL(p || q)
+        return F.kl_div(b, a, reduction="none", log_target=True).sum(-1)
+    if name == "full_prob_l2":
+        return (a.exp() - b.exp()).square().sum(-1)
+    if name == "full_mirror":
+        return get_divergence(name).mirror_map.bregman(a.exp(), b.exp()).sum(-1)
+    raise AssertionError(f"no reference for '{name}': add one here")
+
+
+def test_registry_lists_the_full_vocabulary_measures():
+    assert {"full_kl", "full_prob_l2", "full_mirror"} <= set(VOCAB_MEASURES)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_log_probs_and_entropy_match_torch(chunk):
+    z, _, t = logits(lead=(2,))
+    ref = torch.log_softmax(z[..., :13], -1)
+    lp, ent = vp.log_probs_and_entropy(z, t, vocab_size=13, chunk_size=chunk)
+    torch.testing.assert_close(lp, ref.gather(-1, t.unsqueeze(-1)).squeeze(-1), rtol=0, atol=1e-13)
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), rtol=0, atol=1e-13)
+    torch.testing.assert_close(vp.log_probs(z, t, vocab_size=13, chunk_size=chunk), lp, rtol=0, atol=0)
+    torch.testing.assert_close(vp.entropy(z, vocab_size=13, chunk_size=chunk), ent, rtol=0, atol=0)
+
+
+def test_gradcheck_primitives():
+    z, _, t = logits()
+    z = z.requires_grad_()
+    kw = dict(vocab_size=13, chunk_size=4)
+    assert torch.autograd.gradcheck(lambda x: vp.log_probs(x, t, **kw), (z,))
+    assert torch.autograd.gradcheck(lambda x: vp.entropy(x, **kw), (z,))
+    assert torch.autograd.gradcheck(lambda x: vp.log_probs_and_entropy(x, t, **kw), (z,))
+
+
+def test_padding_gets_no_gradient_and_only_one_output_may_be_used():
+    z, _, t = logits()
+    z = z.requires_grad_()
+    lp, _ = vp.log_probs_and_entropy(z, t, vocab_size=13)
+    lp.sum().backward()                                     # entropy unused: grad None inside
+    assert z.grad[:, 13:].eq(0).all()
+    ref = z.detach().clone().requires_grad_()
+    torch.log_softmax(ref[:, :13], -1).gather(1, t[:, None]).sum().backward()
+    torch.testing.assert_close(z.grad, ref.grad, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", VOCAB_MEASURES)
+def test_full_vocab_measure_matches_reference(name):
+    z, zb, _ = logits(lead=(3,))
+    torch.manual_seed(0)
+    measure = get_divergence(name, chunk_size=2)
+    torch.manual_seed(0)
+    torch.testing.assert_close(measure(z, zb, vocab_size=13), reference_measure(name, z, zb, 13),
+                               rtol=1e-12, atol=1e-14)
+    assert (measure(z, zb, vocab_size=13) > 0).all()
+    torch.testing.assert_close(measure(z, z, vocab_size=13), torch.zeros(3, 6, dtype=F64),
+                               rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", VOCAB_MEASURES)
+def test_gradcheck_full_vocab_measure(name):
+    """Gradients to both logits, including the base's (callers detach it, but it must be right)."""
+    z, zb, _ = logits(tokens=3, vocab=7, padded=9)
+    measure = get_divergence(name, chunk_size=2)
+    z, zb = z.requires_grad_(), zb.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, y: measure(x, y, vocab_size=7), (z, zb))
+    # a detached base gets no gradient and changes nothing for the actor's
+    z2 = z.detach().clone().requires_grad_()
+    measure(z2, zb.detach(), vocab_size=7).sum().backward()
+    measure(z, zb, vocab_size=7).sum().backward()
+    torch.testing.assert_close(z2.grad, z.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_reduce_in_float32(dtype):
+    z, zb, t = logits(tokens=8, vocab=500, padded=512, dtype=dtype)
+    z32, zb32 = z.float().requires_grad_(), zb.float()
+    zh = z.clone().requires_grad_()
+    lp, ent = vp.log_probs_and_entropy(zh, t, vocab_size=500)
+    lp32, ent32 = vp.log_probs_and_entropy(z32, t, vocab_size=500)
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, lp32, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, ent32, rtol=0, atol=1e-5)
+    (lp + ent).sum().backward()
+    (lp32 + ent32).sum().backward()
+    assert zh.grad.dtype == dtype
+    torch.testing.assert_close(zh.grad.float(), z32.grad, rtol=0, atol=1e-2)  # bf16 grad rounding
+    d = get_divergence("full_prob_l2")(zh, zb, vocab_size=500)
+    torch.testing.assert_close(d, get_divergence("full_prob_l2")(z32, zb32, vocab_size=500),
+                               rtol=0, atol=1e-6)
+
+
+def test_inplace_backward_equals_out_of_place_and_guards_other_users():
+    z, zb, t = logits(tokens=9, lead=(2,))
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    up = torch.randn(2, 9, dtype=F64)
+    lp_a, ent_a = vp.log_probs_and_entropy(a, t, chunk_size=4)
+    lp_b, ent_b = vp.log_probs_and_entropy(b, t, chunk_size=4, inplace_backward=True)
+    ((lp_a + 0.3 * ent_a) * up).sum().backward()
+    ((lp_b + 0.3 * ent_b) * up).sum().backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-14)
+    assert b.grad.data_ptr() == b.data_ptr()               # the logits' storage was reused
+    # another function that saved the same logits would read overwritten values: autograd refuses
+    c = z.clone().requires_grad_()
+    h = c * 1.0
+    # (backward runs the later-created node first: ours, after (h ** 2) has saved h)
+    loss = (h ** 2).sum() + vp.log_probs(h, t, inplace_backward=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_forward_saves_no_vocabulary_sized_tensor():
+    """Only the inputs themselves and per-token statistics are kept for the backward."""
+    z, zb, t = logits(tokens=32, vocab=100, padded=100)
+    z, zb = z.requires_grad_(), zb.requires_grad_()
+    saved = []
+
+    def pack(x):
+        saved.append(x)
+        return x
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        vp.log_probs_and_entropy(z, t, chunk_size=4)
+        get_divergence("full_prob_l2", chunk_size=4)(z, zb)
+    big = [x for x in saved if x.numel() >= z.numel()]
+    assert big and all(x.data_ptr() in (z.data_ptr(), zb.data_ptr()) for x in big)
+
+
+# ----------------------------------------------------------------- TP=2 / TP=4 under torchrun
+
+TOLERANCE = {"float64": 1e-6, "float32": 1e-5}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def parity(request):
+    ranks = run_torchrun("tests.dist.vocab_parallel:parity", request.param, timeout_s=300)
+    assert [r["tp"] for r in ranks] == [request.param] * request.param
+    return ranks
+
+
+def test_tp_parity_covers_every_primitive_and_measure(parity):
+    cases = {name for (_, _, name) in parity[0]["figures"]}
+    expected = {"log_probs", "entropy", "log_probs_and_entropy", "log_probs_and_entropy/inplace",
+                "naive_all_reduce_entropy"} | {f"divergence/{n}" for n in VOCAB_MEASURES}
+    assert cases == expected
+    assert {(d, v) for (d, v, _) in parity[0]["figures"]} == {
+        (d, v) for d in TOLERANCE for v in (1000, 1001, 700)}
+
+
+def test_tp_values_and_gradients_equal_tp1(parity):
+    for rank in parity:
+        for (dtype, vocab, name), f in rank["figures"].items():
+            if name == "naive_all_reduce_entropy":
+                continue
+            tol = TOLERANCE[dtype]
+            where = f"{name} {dtype} V={vocab}"
+            assert f["value"] <= tol, where
+            assert f["grad"] <= tol and f["grad_base"] <= tol, where
+            assert f["grad_scale"] > 1e-3, where             # the comparison is not vacuous
+            assert f["padding_grad"] == 0, where
+            if name.startswith("divergence/"):
+                assert f["grad_base_scale"] > 1e-3, where
+
+
+def test_tp_gradient_is_nonzero_on_ranks_not_owning_the_target(parity):
+    for rank in parity:
+        for (dtype, vocab, name), f in rank["figures"].items():
+            if name.startswith("log_probs") and f["not_owned_grad"] is not None:
+                assert f["not_owned_grad"] > 1e-8, (name, dtype, vocab)
+
+
+def test_plain_all_reduce_gives_wrong_gradients(parity):
+    """Negative control: the same parity check catches the known trap."""
+    for rank in parity:
+        for (dtype, vocab, name), f in rank["figures"].items():
+            if name == "naive_all_reduce_entropy":
+                assert f["value"] <= TOLERANCE[dtype]         # values are right ...
+                assert f["grad"] > 1e-2                       # ... gradients are not
