@@ -74,8 +74,11 @@ class _Worker:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:  # unsent bytes for a dead worker
+                pass
 
 
 class MathVerifyPool:

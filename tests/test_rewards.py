@@ -1,0 +1,149 @@
+"""Rewards: answer extraction, the math-verify pool (timeouts, killed workers), code and exact-match
+rewards, the registry and its config."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from megadiv.data import DataConfig, Record, load_dataset
+from megadiv.rewards import (REASONS, REWARDS, MathVerifyPool, RewardConfig, RewardResult, build_reward,
+                             extract_program, math_scores, register_reward)
+from megadiv.rewards.math_worker import after_hash, extract_answer, last_boxed
+
+pytestmark = pytest.mark.timeout(300)
+
+PATHOLOGICAL = "\\boxed{99999^{99999^{99999}}}"  # sympy would run for ages; math-verify's alarm stops it
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with MathVerifyPool(workers=2, timeout_s=1, chunk_size=4) as p:
+        yield p
+
+
+def test_answer_extraction():
+    assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{\\left\\{1, {2}\\right\\}}") == "\\left\\{1, {2}\\right\\}"
+    assert last_boxed("\\fbox{7}") == "7" and last_boxed("\\boxed{unclosed") is None and last_boxed("no") is None
+    assert after_hash("work\n#### 1,000\n") == "1,000" and after_hash("#### ") is None and after_hash("x") is None
+    assert extract_answer("#### 5 and \\boxed{6}", "auto") == ("\\boxed{6}", True)
+    assert extract_answer("#### 5", "auto") == ("5", True) and extract_answer("#### 5", "boxed") == (None, False)
+    assert extract_answer("it is 5", "auto") == ("it is 5", False) and extract_answer("it is 5", "hash") == (None, False)
+
+
+def test_math_pool_grades_with_reasons(pool):
+    cases = [("The answer is \\boxed{\\frac12}.", "0.5", "correct"), ("so it is 0.5", "\\frac{1}{2}", "correct"),
+             ("#### $1,000", "1000", "correct"), ("\\boxed{50\\%}", "0.5", "correct"),
+             ("\\boxed{(3, \\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)", "correct"),
+             ("\\boxed{7}", "8", "wrong"), ("no answer here", "3", "unparsable"), ("\\boxed{}", "3", "unparsable"),
+             (PATHOLOGICAL, "1", "timeout")]
+    grades = pool.grade([c[0] for c in cases], [c[1] for c in cases])
+    assert [g.reason for g in grades] == [c[2] for c in cases]
+    assert [g.correct for g in grades] == [c[2] == "correct" for c in cases]
+    strict = pool.grade(["so it is 0.5", "\\boxed{3}", "#### 3"], ["0.5", "3", "3"], "boxed")
+    assert [(g.correct, g.formatted, g.reason) for g in strict] == [
+        (False, False, "unparsable"), (True, True, "correct"), (False, False, "unparsable")]
+    assert pool.grade([], []) == []
+    with pytest.raises(ValueError, match="2 responses but 1 golds"):
+        pool.grade(["a", "b"], ["1"])
+
+
+def test_math_pool_survives_killed_workers(pool):
+    gsm = load_dataset(DataConfig(name="gsm8k", split="test", max_items=24))
+    responses, golds = [r.solution for r in gsm], [r.answer for r in gsm]
+    # Idle kill: the dead worker is found when work is sent to it.
+    os.kill(pool.pids()[0], signal.SIGKILL)
+    time.sleep(0.2)
+    assert [g.reason for g in pool.grade(responses, golds)] == ["correct"] * 24
+    # Kill mid-batch: the pathological item keeps one worker busy for ~1 s; both workers die while
+    # the batch runs. Their chunks are re-run item by item in fresh workers.
+    restarts, before = pool.restarts, set(pool.pids())
+    killer = threading.Timer(0.4, lambda: [os.kill(pid, signal.SIGKILL) for pid in pool.pids()])
+    killer.start()
+    grades = pool.grade([PATHOLOGICAL] + responses, ["1"] + golds)
+    killer.join()
+    assert [g.reason for g in grades[1:]] == ["correct"] * 24
+    assert grades[0].reason in ("timeout", "crashed") and not grades[0].correct
+    assert pool.restarts >= restarts + 2 and not before & set(pool.pids())
+    # And the pool is whole afterwards.
+    assert all(g.correct for g in pool.grade(responses, golds))
+
+
+def test_math_scores_public_api():
+    assert math_scores(["#### 72", "\\boxed{71}", "nothing"], ["72", "72", "72"]) == [1.0, 0.0, 0.0]
+
+
+def test_math_reward_from_registry_with_format_weight():
+    records = [Record(id=str(i), prompt="p", answer="4") for i in range(4)]
+    reward = build_reward(RewardConfig(name="math", workers=1, format_weight=0.1))
+    try:
+        result = reward(["\\boxed{4}", "it is 4", "\\boxed{5}", "hmm"], records)
+    finally:
+        reward.close()
+    assert result.scores == [1.1, 1.0, 0.1, 0.0]
+    assert result.reasons == ["correct", "correct", "wrong", "unparsable"]
+    assert result.counts() == {"correct": 2, "wrong": 1, "unparsable": 1, "timeout": 0, "crashed": 0}
+
+
+def test_extract_program():
+    assert extract_program("Here:\n```python\ndef f():\n    return 1\n```\nDone.") == "def f():\n    return 1\n"
+    two = "```python\nx = 1\n```\ntext\n```py\ndef g(): pass\n```"
+    assert extract_program(two) == "def g(): pass\n"  # the last python block
+    assert extract_program("```\ndef h(): pass\n```") == "def h(): pass\n"
+    assert extract_program("```text\nnot code\n```\n```python\ndef k(): pass\n```") == "def k(): pass\n"
+    assert extract_program("I think:\n```python\ndef cut(n):\n    return n") == "def cut(n):\n    return n"
+    assert extract_program("def bare(x):\n    return x\n") == "def bare(x):\n    return x\n"
+    for nothing in ("", "   ", "This is prose, not code.", "```python\n\n```"):
+        assert extract_program(nothing) is None
+
+
+def test_code_reward_on_mbpp_items():
+    ds = load_dataset(DataConfig(name="mbpp", split="test", max_items=3))
+    good = [f"Sure.\n```python\n{r.solution}\n```" for r in ds]
+    responses = good + ["", "```python\ndef remove_Occ(s, ch):\n    return s\n```",
+                        "```python\ndef remove_Occ(s, ch):\n    while True:\n        pass\n```"]
+    records = list(ds) + [ds[0]] * 3
+    reward = build_reward(RewardConfig(name="mbpp", workers=2, timeout_s=3))
+    try:
+        result = reward(responses, records)
+    finally:
+        reward.close()
+    assert result.scores == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert result.reasons == ["correct"] * 3 + ["unparsable", "wrong", "timeout"]
+    # Partial credit: remove_Occ returning s unchanged passes none of 3; one right answer in 3:
+    partial = build_reward(RewardConfig(name="code", workers=1, partial_credit=True))
+    try:
+        half = "```python\ndef remove_Occ(s, ch):\n    return 'heo'\n```"
+        assert partial([half], [ds[0]]).scores == [pytest.approx(1 / 3)]
+    finally:
+        partial.close()
+
+
+def test_exact_match_reward():
+    reward = build_reward(RewardConfig(name="exact_match"))
+    records = [Record(id=str(i), prompt="17+25=", answer="42") for i in range(4)]
+    result = reward([" 42\n", "41", "", "420"], records)
+    assert result.scores == [1.0, 0.0, 0.0, 0.0] and result.reasons == ["correct", "wrong", "unparsable", "wrong"]
+
+
+def test_reward_config_and_registry():
+    with pytest.raises(ValueError, match="unknown reward 'mathh'"):
+        RewardConfig(name="mathh")
+    for bad, key in ((dict(workers=0), "reward.workers"), (dict(timeout_s=0), "reward.timeout_s"),
+                     (dict(format_weight=-1), "reward.format_weight"),
+                     (dict(sandbox_memory_mb=10), "reward.sandbox_memory_mb")):
+        with pytest.raises(ValueError, match=key):
+            RewardConfig(**bad)
+    register_reward("always_one", lambda cfg: (lambda responses, records: RewardResult([1.0] * len(responses),
+                                                                                      ["correct"] * len(responses))))
+    try:
+        assert build_reward(RewardConfig(name="always_one"))(["a"], [None]).scores == [1.0]
+        with pytest.raises(ValueError, match="already registered"):
+            register_reward("always_one", lambda cfg: None)
+    finally:
+        del REWARDS["always_one"]
+    with pytest.raises(ValueError, match="unknown reason codes"):
+        RewardResult([0.0], ["maybe"])
+    assert REASONS == ("correct", "wrong", "unparsable", "timeout", "crashed")
