@@ -7,7 +7,8 @@ ratio measures are Schulman's estimators of KL(base || current) and the plain ra
     k1          -log w                  unbiased, high variance, can be negative
     k2          (log w)^2 / 2           symmetric in log space
     k3          (w - 1) - log w         unbiased, >= 0, low variance ("low_var_kl")
-    reverse_k3  (1/w - 1) + log w       k3 of 1/w: the estimator of KL(current || base)
+    reverse_k3  (1/w - 1) + log w       k3 of 1/w (unbiased for KL(current || base) only when
+                                        the tokens come from the current policy)
 
 All are written in t with expm1, which keeps the absolute error at a few ulp of |t| as t -> 0
 (where w - 1 and log w cancel) and the gradient (expm1(t) for k3) exact to rounding. ``sampled_prob_l2`` is GBMPO's published per-token
