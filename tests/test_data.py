@@ -91,9 +91,8 @@ def test_jsonl_dataset_from_config(tmp_path):
         load_dataset(DataConfig(name="jsonl", path=str(path), prompt_field="question", answer_field="a"))
     code = tmp_path / "code.jsonl"
     code.write_text(json.dumps({"prompt": "add", "tests": ["assert add(1, 2) == 3"]}) + "\n")
-    ds = load_dataset(DataConfig(name="jsonl", path=str(code), answer_field=None, tests_field="tests",
-                                 answer_format="code"))
-    assert ds[0].tests == ("assert add(1, 2) == 3",) and ds.answer_format == "code"
+    ds = load_dataset(DataConfig(name="jsonl", path=str(code), answer_field=None, tests_field="tests"))
+    assert ds[0].tests == ("assert add(1, 2) == 3",) and ds[0].answer is None
 
 
 def test_register_dataset():

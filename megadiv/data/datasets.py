@@ -50,7 +50,8 @@ class Dataset:
     split: str
     records: tuple[Record, ...]
     answer_format: str
-    """boxed, hash, code or none: what the prompt template asks the model to write."""
+    """boxed, hash, code or none: the answer format this dataset's prompts ask for by default
+    (``DataConfig.answer_format`` overrides it in the template)."""
     reward: str
     """Name of the reward this dataset is meant for (``megadiv.rewards.build_reward``)."""
 
@@ -106,8 +107,7 @@ def load_dataset(cfg: DataConfig) -> Dataset:
         raise DatasetError(f"{cfg.name}/{cfg.split}: record ids are not unique")
     if cfg.max_items is not None:
         records = records[: cfg.max_items]
-    answer_format = spec.answer_format if cfg.answer_format == "default" else cfg.answer_format
-    return Dataset(cfg.name, cfg.split, tuple(records), answer_format, spec.reward)
+    return Dataset(cfg.name, cfg.split, tuple(records), spec.answer_format, spec.reward)
 
 
 def _check_rows(what: str, found: int, expected: Optional[int]) -> None:

@@ -59,7 +59,8 @@ class PromptTemplate:
             kind = "chat" if has_chat_template(tokenizer) else "plain"
         if kind == "chat" and not has_chat_template(tokenizer):
             raise ValueError("data.template='chat' but the tokenizer has no chat_template")
-        return cls(kind, dataset.answer_format, cfg.system_prompt)
+        answer_format = dataset.answer_format if cfg.answer_format == "default" else cfg.answer_format
+        return cls(kind, answer_format, cfg.system_prompt)
 
     def text(self, record: Record, tokenizer=None) -> str:
         """The prompt as text (for a chat template, rendered up to the assistant's turn)."""

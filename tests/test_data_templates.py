@@ -1,0 +1,68 @@
+"""Prompt templates against real Hugging Face tokenizers built offline (no downloads)."""
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megadiv.data import DataConfig, INSTRUCTIONS, PromptTemplate, char_tokenizer, load_dataset
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level_bpe(chat_template=None) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE trained here on dataset text, ChatML specials, a BOS post-processor."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [r.prompt for r in load_dataset(DataConfig(name="gsm8k", split="test", max_items=200))]
+    specials = ["<|bos|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(corpus + list(INSTRUCTIONS.values()), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|im_end|>",
+                                   chat_template=chat_template)
+
+
+@pytest.fixture(scope="module")
+def gsm8k():
+    return load_dataset(DataConfig(name="gsm8k", split="test", max_items=3))
+
+
+def test_auto_uses_the_chat_template_when_there_is_one(gsm8k):
+    tok = byte_level_bpe(CHATML)
+    tpl = PromptTemplate.resolve(DataConfig(name="gsm8k", system_prompt="You are careful."), gsm8k, tok)
+    assert tpl.kind == "chat" and tpl.answer_format == "hash"
+    text = tpl.text(gsm8k[0], tok)
+    assert text == (f"<|im_start|>system\nYou are careful.<|im_end|>\n<|im_start|>user\n{gsm8k[0].prompt}\n\n"
+                    f"{INSTRUCTIONS['hash']}<|im_end|>\n<|im_start|>assistant\n")
+    ids = tpl.token_ids(gsm8k[0], tok)
+    # The rendered template carries its own special tokens: no extra BOS, and they are single tokens.
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.bos_token_id not in ids
+    assert tok.decode(ids) == text
+
+
+def test_plain_template_without_chat_template(gsm8k):
+    tok = byte_level_bpe()
+    tpl = PromptTemplate.resolve(DataConfig(name="gsm8k", answer_format="boxed"), gsm8k, tok)
+    assert tpl.kind == "plain" and tpl.answer_format == "boxed"
+    text = tpl.text(gsm8k[1], tok)
+    assert text.startswith("Question: " + gsm8k[1].prompt) and text.endswith(INSTRUCTIONS["boxed"] + "\nAnswer:")
+    assert "\\boxed{}" in text
+    ids = tpl.token_ids(gsm8k[1], tok)
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]) == text  # plain prompts get the usual BOS
+    with pytest.raises(ValueError, match="no chat_template"):
+        PromptTemplate.resolve(DataConfig(name="gsm8k", template="chat"), gsm8k, tok)
+
+
+def test_code_prompts_list_the_tests_and_the_format():
+    mbpp = load_dataset(DataConfig(name="mbpp", split="test", max_items=1))
+    text = PromptTemplate.resolve(DataConfig(name="mbpp", template="plain"), mbpp).text(mbpp[0])
+    assert mbpp[0].prompt in text and all(t in text for t in mbpp[0].tests) and "```python" in text
+
+
+def test_raw_template_for_the_arithmetic_task():
+    ds = load_dataset(DataConfig(name="arithmetic", split="test", max_items=2))
+    tok = char_tokenizer()
+    tpl = PromptTemplate.resolve(DataConfig(name="arithmetic", template="raw"), ds, tok)
+    assert tpl.text(ds[0]) == ds[0].prompt and ds[0].prompt.endswith("=")
+    assert tok.decode(tpl.token_ids(ds[0], tok)) == ds[0].prompt
