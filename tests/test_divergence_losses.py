@@ -485,3 +485,22 @@ def test_shape_errors_and_sequence_advantages():
     loss_tok, _ = compute_policy_loss(PolicyLossConfig(), b["logp"], b["logp_old"],
                                       b["adv"][:, None].expand_as(b["logp"]), b["mask"])
     assert_same(loss_seq, loss_tok)
+
+
+@pytest.mark.gpu
+def test_no_host_synchronisation_on_cuda():
+    """Loss, metrics and backward queue on the device without a host sync (style rule 9)."""
+    b = {k: v.cuda() for k, v in make_batch().items()}
+    cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.05, delta_high=0.07, dual_clip_c=3.0,
+                           kl_coef=0.1, regularizer="sampled_prob_l2", regularizer_coef=1e-4, tis_cap=2.0,
+                           loss_agg="seq-mean-token-mean")
+    logp = b["logp"].clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, metrics = compute_policy_loss(cfg, logp, b["logp_old"], b["adv"], b["mask"], logp_ref=b["logp_ref"],
+                                            logp_rollout=b["logp_rollout"], entropy=b["logp"].neg())
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(v.is_cuda for v in metrics.values()) and logp.grad.is_cuda

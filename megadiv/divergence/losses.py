@@ -229,10 +229,12 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, mode: LossAggrega
         elif mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
             denominator = (mask.sum(-1) > 0).sum().to(loss_tok.dtype)
         elif mode == "seq-mean-token-sum-norm":
-            denominator = float(mask.shape[0] * (norm_len or mask.shape[-1]))
+            denominator = mask.shape[0] * (norm_len or mask.shape[-1])
         else:
             raise ValueError(f"unknown loss aggregation '{mode}'; one of {list(typing.get_args(LossAggregation))}")
-    return numerator / torch.as_tensor(denominator, dtype=loss_tok.dtype, device=loss_tok.device).clamp(min=tiny)
+    if isinstance(denominator, torch.Tensor):
+        return numerator / denominator.to(loss_tok.dtype).clamp(min=tiny)
+    return numerator / max(float(denominator), tiny)  # a Python number: no device tensor, no copy
 
 
 # --------------------------------------------------------------------------- surrogates
@@ -264,17 +266,17 @@ def divergence_clip_loss(cfg, logp, logp_old, adv, mask, clip_divergence=None):
     """Unified clipping with the trust region D(pi_theta, pi_old) <= delta (delta_high on the w > 1
     side). A ratio measure clips exactly like PPO with the interval ratio_bounds(measure, delta)."""
     w = _ratio(logp, logp_old)
-    measure = DIVERGENCES[cfg.measure]()
+    measure = DIVERGENCES[cfg.measure]
     delta_high = cfg.delta if cfg.delta_high is None else cfg.delta_high
-    if isinstance(measure, VocabDivergence):
+    if issubclass(measure, VocabDivergence):
         if clip_divergence is None:
             raise ValueError(f"measure '{cfg.measure}' is a full-vocabulary measure: pass D(pi_theta, pi_old) "
                              f"per token as clip_divergence")
         div = clip_divergence.detach()
     else:
-        div = measure(logp.detach(), logp_old)
+        div = measure()(logp.detach(), logp_old)  # [B, T], only compared with delta: no gradient
     outside = torch.where(w.detach() > 1, div > delta_high, div > cfg.delta)
-    if isinstance(measure, RatioDivergence):  # the region is a ratio interval: clipped value at its edge
+    if issubclass(measure, RatioDivergence):  # the region is a ratio interval: clipped value at its edge
         w_low, w_high = ratio_bounds(cfg.measure, cfg.delta)[0], ratio_bounds(cfg.measure, delta_high)[1]
     else:
         w_low = w_high = w.detach()
