@@ -10,9 +10,9 @@ import torch
 from scipy.special import lambertw
 
 from megadiv.config import ConfigError, from_dict
-from megadiv.divergence import (DIVERGENCES, POLICY_LOSSES, PolicyLossConfig, VocabDivergence, aggregate_loss,
-                                compute_policy_loss, get_divergence, kl_reward_penalty, names_of_kind,
-                                ratio_bounds, register_divergence, RatioDivergence)
+from megadiv.divergence import (DIVERGENCES, POLICY_LOSSES, PolicyLossConfig, RatioDivergence, VocabDivergence,
+                                aggregate_loss, aggregation_denominator, compute_policy_loss, get_divergence,
+                                kl_reward_penalty, names_of_kind, ratio_bounds, register_divergence)
 from megadiv.divergence.losses import LossAggregation
 
 AGGREGATIONS = typing.get_args(LossAggregation)
@@ -161,7 +161,8 @@ def test_gspo_token_form_equals_sequence_level_gspo():
         s = torch.exp(((logp - b["logp_old"]) * m).sum(-1)[seq] / m.sum(-1)[seq])  # [sequences]
         adv = b["adv"][seq]
         clipped_s = torch.clamp(s, 1 - eps_low, 1 + eps_high)
-        assert bool(((s < 1 - eps_low) | (s > 1 + eps_high)).any()) and bool(((s > 1 - eps_low) & (s < 1 + eps_high)).any())
+        inside = (s > 1 - eps_low) & (s < 1 + eps_high)
+        assert bool(inside.any()) and not bool(inside.all()), "the batch must clip some sequences, not all"
         return torch.maximum(-adv * s, -adv * clipped_s).mean()
 
     want_loss, want_grad = reference_grad(gspo_reference, b)
@@ -367,13 +368,14 @@ def test_micro_batches_with_the_global_denominator_sum_to_the_batch_loss(mode):
     b = make_batch(B=8, seed=10)
     cfg = PolicyLossConfig(loss_agg=mode, loss_norm_len=12)
     full, grad_full, _ = loss_and_grad(cfg, b)
+    parts = [{k: v[rows] for k, v in b.items()} for rows in (slice(0, 3), slice(3, 8))]
+    # the global denominator: the micro-batches' own denominators, summed
+    denominator = sum(aggregation_denominator(p["mask"], mode, norm_len=12) for p in parts)
     m = b["mask"]
-    denominator = {"token-mean": m.sum(), "seq-mean-token-mean": (m.sum(-1) > 0).sum().to(F64),
-                   "seq-mean-token-sum": (m.sum(-1) > 0).sum().to(F64),
-                   "seq-mean-token-sum-norm": torch.tensor(8.0 * 12, dtype=F64)}[mode]
+    assert float(denominator) == {"token-mean": float(m.sum()), "seq-mean-token-mean": 7.0,
+                                  "seq-mean-token-sum": 7.0, "seq-mean-token-sum-norm": 96.0}[mode]
     total, grads = 0.0, []
-    for rows in (slice(0, 3), slice(3, 8)):
-        part = {k: v[rows] for k, v in b.items()}
+    for part in parts:
         loss, grad, _ = loss_and_grad(cfg, part, denominator=denominator)
         total, grads = total + loss, grads + [grad]
     assert_same(total, full)

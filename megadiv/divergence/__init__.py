@@ -19,8 +19,8 @@ from megadiv.divergence import full_vocab, mirror_map, vocab_parallel  # noqa: F
 from megadiv.divergence.advantages import ADVANTAGES, AdvantageConfig, compute_advantages, register_advantage
 from megadiv.divergence.bounds import equivalent_deltas, ratio_bounds
 from megadiv.divergence.clipping import clip_surrogate
-from megadiv.divergence.losses import (POLICY_LOSSES, PolicyLossConfig, aggregate_loss, compute_policy_loss,
-                                       register_policy_loss)
+from megadiv.divergence.losses import (POLICY_LOSSES, PolicyLossConfig, aggregate_loss, aggregation_denominator,
+                                       compute_policy_loss, register_policy_loss)
 from megadiv.divergence.metrics import policy_metrics
 from megadiv.divergence.penalties import kl_penalty, kl_reward_penalty
 from megadiv.divergence.roots import lambert_w
@@ -28,7 +28,8 @@ from megadiv.divergence.roots import lambert_w
 __all__ = [
     "DIVERGENCES", "TokenDivergence", "RatioDivergence", "VocabDivergence", "register_divergence",
     "get_divergence", "names_of_kind", "ratio_bounds", "equivalent_deltas", "lambert_w", "clip_surrogate",
-    "PolicyLossConfig", "compute_policy_loss", "aggregate_loss", "POLICY_LOSSES", "register_policy_loss",
+    "PolicyLossConfig", "compute_policy_loss", "aggregate_loss", "aggregation_denominator", "POLICY_LOSSES",
+    "register_policy_loss",
     "kl_penalty", "kl_reward_penalty", "AdvantageConfig", "compute_advantages", "ADVANTAGES",
     "register_advantage", "policy_metrics",
 ]

@@ -214,8 +214,8 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, mode: LossAggrega
         seq-mean-token-sum-norm  sum(mask * l) / (B * L), L = norm_len or T    (Dr. GRPO, GBMPO)
 
     #seqs counts rows with at least one masked token (all-padding rows are not sequences).
-    ``denominator`` replaces the local one, so that micro-batches of one global batch, each
-    aggregated with the global count, sum to the global mean.
+    ``denominator`` replaces the local one (aggregation_denominator), so that micro-batches of
+    one global batch, each aggregated with the global count, sum to the global mean.
     """
     tiny = torch.finfo(loss_tok.dtype).tiny
     if mode == "seq-mean-token-mean":
@@ -224,17 +224,24 @@ def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, mode: LossAggrega
     else:
         numerator = (loss_tok * mask).sum()
     if denominator is None:
-        if mode == "token-mean":
-            denominator = mask.sum()
-        elif mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-            denominator = (mask.sum(-1) > 0).sum().to(loss_tok.dtype)
-        elif mode == "seq-mean-token-sum-norm":
-            denominator = mask.shape[0] * (norm_len or mask.shape[-1])
-        else:
-            raise ValueError(f"unknown loss aggregation '{mode}'; one of {list(typing.get_args(LossAggregation))}")
+        denominator = aggregation_denominator(mask, mode, norm_len)
     if isinstance(denominator, torch.Tensor):
         return numerator / denominator.to(loss_tok.dtype).clamp(min=tiny)
     return numerator / max(float(denominator), tiny)  # a Python number: no device tensor, no copy
+
+
+def aggregation_denominator(mask: torch.Tensor, mode: LossAggregation = "token-mean",
+                            norm_len: int | None = None) -> torch.Tensor | int:
+    """The denominator aggregate_loss divides by for ``mask`` [B, T]: the token count
+    (token-mean), the count of non-empty rows (seq-mean-*), or the constant B * L (sum-norm, an
+    int). Sum it over micro-batches / data-parallel ranks to get the global one."""
+    if mode == "token-mean":
+        return mask.sum()
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return (mask.sum(-1) > 0).sum()
+    if mode == "seq-mean-token-sum-norm":
+        return mask.shape[0] * (norm_len or mask.shape[-1])
+    raise ValueError(f"unknown loss aggregation '{mode}'; one of {list(typing.get_args(LossAggregation))}")
 
 
 # --------------------------------------------------------------------------- surrogates

@@ -11,8 +11,9 @@ ratio measures are Schulman's estimators of KL(base || current) and the plain ra
                                         the tokens come from the current policy)
 
 All are written in t with expm1, which keeps the absolute error at a few ulp of |t| as t -> 0
-(where w - 1 and log w cancel) and the gradient (expm1(t) for k3) exact to rounding. ``sampled_prob_l2`` is GBMPO's published per-token
-Bregman term (p - p_base)^2, which depends on p_base as well as on w.
+(where w - 1 and log w cancel) and the gradient (expm1(t) for k3) exact to rounding.
+``sampled_prob_l2`` is GBMPO's published per-token Bregman term (p - p_base)^2, which depends on
+p_base as well as on w.
 """
 from __future__ import annotations
 
