@@ -20,7 +20,6 @@ from typing import Callable, Literal
 
 import torch
 
-import megadiv.divergence.measures  # noqa: F401  (registers the token measures)
 from megadiv.divergence.bounds import ratio_bounds
 from megadiv.divergence.clipping import Clipped, clip_surrogate
 from megadiv.divergence.metrics import masked_mean, policy_metrics
