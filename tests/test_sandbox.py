@@ -174,6 +174,16 @@ def escape():
         wrote.append('removed')
     except OSError:
         pass
+    home = os.getcwd()
+    try:  # a relative path after moving out of the working directory
+        os.chdir({str(tmp_path)!r})
+        with open('relative.txt', 'w') as f:
+            f.write('pwned')
+        wrote.append('relative')
+    except OSError:
+        pass
+    finally:
+        os.chdir(home)
     return wrote
 def inside():
     with open('scratch.txt', 'w') as f:
@@ -181,9 +191,9 @@ def inside():
     return open('scratch.txt').read() == 'ok'
 """
     (tmp_path / "keep.txt").write_text("host file")
-    r = run(program, ["assert inside()", f"assert escape() == {outside + ['removed']!r}"], mode)
+    r = run(program, ["assert inside()", f"assert escape() == {outside + ['removed', 'relative']!r}"], mode)
     assert (r.status, r.passed) == ("failed", 1)  # writing inside works, escaping does not
-    for path in outside:
+    for path in outside + [str(tmp_path / "relative.txt")]:
         assert not os.path.exists(path), path
     assert (tmp_path / "keep.txt").read_text() == "host file"
 

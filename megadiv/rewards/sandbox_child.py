@@ -255,7 +255,7 @@ def make_audit_hook(workdir: str, allow_processes: bool):
         """/proc/<pid>/... of another process (its environment, memory, command line)."""
         if isinstance(path, int):
             return False
-        real = os.path.realpath(os.path.join(workdir, os.fsdecode(path)))
+        real = os.path.realpath(os.fsdecode(path))
         parts = real.split("/")
         return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and real.split("/")[:3] != \
             own_proc.split("/")
@@ -264,7 +264,7 @@ def make_audit_hook(workdir: str, allow_processes: bool):
         if isinstance(path, int):  # an already open descriptor
             return True
         path = os.fsdecode(path)
-        real = os.path.realpath(os.path.join(workdir, path))
+        real = os.path.realpath(path)  # relative to the current directory, wherever the program moved it
         return real in allowed_write or real == workdir or real.startswith(workdir + "/")
 
     def hook(event, args):
