@@ -207,9 +207,11 @@ def _run(program, tests, setup, timeout_s, limits, isolation) -> tuple[SandboxRe
         os.close(results_r)
         os.close(control_r)
         proc.stdout.close()
-        # Namespaces: the kernel is already killing what is left; this waits until it is gone.
-        # Fallback: this finds and kills processes that left the process group (setsid).
-        kill_marked(run_id)
+        # A runner that exited by itself in namespaces mode waited for the namespace's init, whose
+        # exit waits for every process in the namespace: nothing is left. Otherwise (killed at the
+        # deadline, or fallback mode) sweep by marker and wait until nothing is left.
+        if isolation == "fallback" or proc.returncode != 0:
+            kill_marked(run_id)
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     output, results, control = streams[out_fd], _events(streams[results_r]), _events(streams[control_r])
