@@ -287,3 +287,31 @@ def make_test_models(root: Path) -> dict[str, str]:
         "gqa1": dict(family="qwen2", kv_heads=1),
     }
     return {name: str(make_tiny_model(root / name, **spec)) for name, spec in specs.items()}
+
+
+def te_fp8_vs_bf16(ctx) -> dict:
+    """GPU, one rank: the Transformer Engine spec (bf16, then FP8) against megatron's local spec
+    in bf16, on the same HF weights. Figures: relative L2 error ||L - L_ref|| / ||L_ref|| of the
+    true-vocabulary logits, and the max abs difference of log-softmax."""
+    from megadiv.config import ModelConfig
+    from megadiv.models import build_model
+
+    _layout(1, 1)
+    hf_dir = ctx.args["models"]["fp8"]
+    tokens = torch.randint(0, 100, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(64, device="cuda").unsqueeze(0)
+
+    def logits(**model_cfg) -> torch.Tensor:
+        model = build_model(ModelConfig(hf_dir=hf_dir, params_dtype="bfloat16", **model_cfg), role="reference")
+        with torch.no_grad():
+            out = model.chunks[0](tokens, positions, attention_mask=None)  # [b, s, Vp] float32 (Float16Module)
+        return out[..., :model.vocab_size].float()
+
+    ref = logits(transformer_impl="local")
+    results = {}
+    for name, cfg in {"te_bf16": dict(transformer_impl="transformer_engine"),
+                      "te_fp8": dict(transformer_impl="transformer_engine", fp8="tensorwise")}.items():
+        out = logits(**cfg)
+        results[f"rel_l2/{name}"] = float((out - ref).norm() / ref.norm())
+        results[f"logprob_max_abs/{name}"] = float((out.log_softmax(-1) - ref.log_softmax(-1)).abs().max())
+    return results

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Write a small random Hugging Face checkpoint with a tokenizer (same as ``megadiv make-tiny-model``).
+
+    python tools/make_tiny_model.py --family qwen2 --out ckpt/tiny-qwen2
+"""
+import argparse
+import sys
+
+from megadiv.models import tiny
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    tiny.add_arguments(parser)
+    sys.exit(tiny.run(parser.parse_args()))
