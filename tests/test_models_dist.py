@@ -23,6 +23,7 @@ def _launch(body: str, nproc: int, models, tmp_path_factory) -> dict:
     merged = {}
     for r in results:  # figures only the last stage computes appear on some ranks
         merged.update(r)
+    print(f"\n{body}:", {k: v for k, v in sorted(merged.items())})  # the figures, with pytest -s
     merged["_per_rank"] = results
     return merged
 
