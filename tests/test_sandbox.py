@@ -270,3 +270,54 @@ def test_cannot_signal_other_processes_and_output_is_capped(mode):
     assert (r.status, r.passed) == ("failed", 0)
     r = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", ["assert True"], mode, output_bytes=100_000)
     assert r.status == "limit" and len(r.output) == 100_000
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_sandbox_dies_with_a_killed_caller(mode):
+    import subprocess
+    import time
+
+    caller = subprocess.Popen([sys.executable, "-c", (
+        "from megadiv.rewards import SandboxLimits, run_sandboxed\n"
+        f"run_sandboxed('import time\\ntime.sleep(1000)', ['assert True'], 600.0, "
+        f"limits=SandboxLimits(**{MODES[mode]!r}))")])
+    try:
+        expected = 2 if mode == "fallback" else 3  # runner, (namespace init,) program
+        deadline = time.monotonic() + 60
+        while len(_descendants(caller.pid)) < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sandbox = _descendants(caller.pid)
+        assert len(sandbox) == expected, "the sandbox did not start"
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) for pid in sandbox) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in sandbox if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)] == []
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True

@@ -32,7 +32,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
 NEW_ROOT = "/tmp"  # the chroot is built on a tmpfs mounted here, in the private mount namespace only
 # Read-only binds that make a usable system: dynamic libraries, /etc (locale, time zone), binaries.
@@ -53,6 +53,14 @@ def _mount(source, target, fstype, flags, data=None) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     _call(_libc.mount, enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data),
           what=f"mount {target}")
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (a caller killed mid-run leaves no sandbox behind)."""
+    parent = os.getppid()
+    _call(_libc.prctl, PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0, what="prctl(pdeathsig)")
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 class Channel:
@@ -115,7 +123,7 @@ def ns_init(p: dict, chan: Channel, ctl: Channel) -> int:
         return 3
     pid = os.fork()
     if pid == 0:
-        user_process(p, chan, ctl, workdir="/tmp")
+        user_process(p, chan, ctl, workdir="/tmp")  # dies with this init: the kernel ends the namespace
     ctl.send(e="user", user=pid)
     return wait_user(pid, ctl, reap_all=True)
 
@@ -297,6 +305,7 @@ def main() -> int:
     os.dup2(devnull, 0)  # the program's stdin is empty
     os.close(devnull)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    die_with_parent()
     if p["isolation"] == "namespaces":
         try:
             _call(_libc.unshare, CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
@@ -307,12 +316,14 @@ def main() -> int:
         ctl.send(e="start", isolation="namespaces")
         pid = os.fork()  # the first child of an unshared PID namespace is its PID 1
         if pid == 0:
+            die_with_parent()
             os._exit(ns_init(p, chan, ctl))
         _, status = os.waitpid(pid, 0)
         return os.waitstatus_to_exitcode(status) & 0xFF
     ctl.send(e="start", isolation="fallback")
     pid = os.fork()
     if pid == 0:
+        die_with_parent()
         user_process(p, chan, ctl, workdir=p["workdir"])
     ctl.send(e="user", user=pid)
     return wait_user(pid, ctl, reap_all=False)
