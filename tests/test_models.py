@@ -209,7 +209,7 @@ def test_transformer_engine_spec_without_te_is_a_clear_error():
         layer_spec(FAMILIES["qwen2"], "transformer_engine")
     with pytest.raises(ConfigError, match="needs Transformer Engine on a GPU"):
         _resolve_impl(ModelConfig(fp8="tensorwise"))
-    assert _resolve_impl(ModelConfig()) == ("transformer_engine" if torch.cuda.is_available() else "local")
+    assert _resolve_impl(ModelConfig()) == "local"
 
 
 # --------------------------------------------------------------------------- tiny maker and CLI

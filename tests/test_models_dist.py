@@ -104,21 +104,25 @@ def test_gqa_with_fewer_kv_heads_than_tp_is_refused(two):
     assert err.startswith("ConfigError") and "does not divide the 1 key/value heads" in err, err
 
 
+@pytest.mark.slow  # the 4-rank launch: ~75 s on 2 cores
 def test_tp2pp2_logits_and_export(four):
     _check_layout(four, "tp2pp2")
 
 
+@pytest.mark.slow  # the 4-rank launch: ~75 s on 2 cores
 def test_hf_megatron_hf_roundtrip_tp2pp2_bit_exact(four):
     for family in ("qwen2", "llama"):
         assert four[f"cli_rc/{family}"] == (0, 0)
         assert four[f"roundtrip_exact/{family}"], family
 
 
+@pytest.mark.slow  # the 4-rank launch: ~75 s on 2 cores
 def test_checkpoint_reshards_between_tp2pp2_and_tp1(four):
     assert four["tp2pp2_to_tp1_bitwise"]
     assert four["tp1_to_tp2pp2_bitwise"]
     assert four["tp2pp2_vs_tp1_diff"] <= TOL
 
 
+@pytest.mark.slow  # the 4-rank launch: ~75 s on 2 cores
 def test_virtual_pipeline(four):
     _check_layout(four, "tp2pp2vpp2", families=["llama"])

@@ -44,6 +44,8 @@ def megatron_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for layer in gpt.decoder.layers:
             keys_map = layer.submodules_config.sharded_state_dict_keys_map
             for name, p in layer.named_parameters():
+                if p.numel() == 0:  # empty placeholders (Transformer Engine's absent biases) hold no weights
+                    continue
                 for old, new in keys_map.items():
                     if name.startswith(old):
                         name = new + name[len(old):]
