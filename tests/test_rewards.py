@@ -147,3 +147,16 @@ def test_reward_config_and_registry():
     with pytest.raises(ValueError, match="unknown reason codes"):
         RewardResult([0.0], ["maybe"])
     assert REASONS == ("correct", "wrong", "unparsable", "timeout", "crashed")
+
+
+def test_pool_that_cannot_start_fails_fast(monkeypatch, tmp_path):
+    broken = tmp_path / "broken_worker.py"
+    broken.write_text("import sys\nsys.exit(1)\n")
+    monkeypatch.setattr("megadiv.rewards.math_reward.WORKER", str(broken))
+    with pytest.raises(RuntimeError, match="exited during start-up"):
+        MathVerifyPool(workers=1)
+    silent = tmp_path / "silent_worker.py"
+    silent.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr("megadiv.rewards.math_reward.WORKER", str(silent))
+    with pytest.raises(RuntimeError, match="did not start within 1"):
+        MathVerifyPool(workers=1, start_timeout_s=1)

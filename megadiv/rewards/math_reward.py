@@ -43,20 +43,27 @@ class Grade:
 
 
 class _Worker:
-    """One worker process and its partial output line."""
+    """One worker process, its partial output line, and the chunk it is grading."""
 
-    def __init__(self):
+    def __init__(self, start_timeout_s: float):
         # -P: the script's directory (megadiv/rewards, which holds math_reward.py) must not shadow
         # anything on sys.path.
         self.proc = subprocess.Popen([sys.executable, "-P", WORKER], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, start_new_session=True)
         self.buf = bytearray()
-        self.ready = False
-        self.job: Optional[tuple[list[int], bool, float]] = None  # (item indices, isolated, deadline)
+        self.ready = False  # the worker has imported math-verify and said so
+        self.items: list[int] = []  # indices of the chunk in flight
+        self.isolated = False  # that chunk is one item re-run on its own
+        self.deadline = time.monotonic() + start_timeout_s  # to start up, then to finish the chunk
 
     @property
     def fd(self) -> int:
         return self.proc.stdout.fileno()
+
+    def send(self, items: list[int], isolated: bool, request: dict, deadline: float) -> None:
+        self.items, self.isolated, self.deadline = items, isolated, deadline
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
 
     def read_lines(self) -> Optional[list[bytes]]:
         """Complete lines available now; None at end of file (the worker died)."""
@@ -94,8 +101,9 @@ class MathVerifyPool:
         self.chunk_size, self.start_timeout_s = chunk_size, start_timeout_s
         self.restarts = 0
         self._lock = threading.Lock()
-        self._workers = [_Worker() for _ in range(workers)]
-        self._wait_ready()
+        self._workers = [_Worker(start_timeout_s) for _ in range(workers)]
+        for _ in self._run(None, collections.deque(), None):  # wait until all are up: fail fast if they cannot
+            pass
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
@@ -111,101 +119,81 @@ class MathVerifyPool:
     def __exit__(self, *exc):
         self.close()
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        for w in self._workers:
-            while not w.ready:
-                remaining = deadline - time.monotonic()
-                with selectors.DefaultSelector() as sel:
-                    sel.register(w.fd, selectors.EVENT_READ)
-                    if remaining <= 0 or not sel.select(remaining):
-                        self.close()
-                        raise RuntimeError(f"math-verify worker did not start within {self.start_timeout_s} s")
-                lines = w.read_lines()
-                if lines is None:
-                    self.close()
-                    raise RuntimeError("math-verify worker exited during start-up (is math-verify installed?)")
-                w.ready = w.ready or bool(lines)
-
-    def _replace(self, w: _Worker) -> _Worker:
-        w.kill()
-        self.restarts += 1
-        fresh = _Worker()
-        self._workers[self._workers.index(w)] = fresh
-        return fresh
-
     def grade(self, responses: Sequence[str], golds: Sequence[str], answer_format: str = "auto") -> list[Grade]:
         """Grade ``responses[i]`` against ``golds[i]``; answer_format: auto, boxed or hash."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
         if answer_format not in ("auto", "boxed", "hash"):
             raise ValueError(f"answer_format must be auto, boxed or hash, got {answer_format!r}")
-        with self._lock:
-            return self._grade(list(map(str, responses)), list(map(str, golds)), answer_format)
+        n = len(responses)
+        results: list[Optional[Grade]] = [None] * n
+        queue = collections.deque((list(range(i, min(i + self.chunk_size, n))), False)
+                                  for i in range(0, n, self.chunk_size))
 
-    def _grade(self, responses, golds, answer_format) -> list[Grade]:
-        results: list[Optional[Grade]] = [None] * len(responses)
-        queue = collections.deque((list(range(i, min(i + self.chunk_size, len(responses)))), False)
-                                  for i in range(0, len(responses), self.chunk_size))
+        def fail(w: _Worker, reason: str) -> None:
+            if w.isolated:  # this item alone broke a worker
+                results[w.items[0]] = Grade(False, False, reason)
+            else:  # find the culprit: re-run each item of the chunk on its own
+                queue.extend(([i], True) for i in w.items)
+
+        def request(items: list[int]) -> dict:
+            return {"items": [[str(responses[i]), str(golds[i])] for i in items], "answer_format": answer_format,
+                    "timeout_s": self.timeout_s}
+
+        with self._lock:
+            for indices, grades in self._run(request, queue, fail):
+                for i, (correct, formatted, reason) in zip(indices, grades):
+                    results[i] = Grade(bool(correct), bool(formatted), reason)
+        return results
+
+    def _run(self, request, queue: collections.deque, fail):
+        """Dispatch ``queue``'s chunks to ready workers and yield (indices, results) as they come back,
+        until the queue is empty, no chunk is in flight and every worker is ready. A worker that dies
+        or overruns its deadline is replaced and ``fail(worker, reason)`` decides about its chunk."""
         # Worst case per item: gold parse, answer parse and up to 4 comparisons, each under an alarm.
         budget = lambda n: 10.0 + n * 6 * self.timeout_s  # noqa: E731
-
-        def fail(w: _Worker, reason: str) -> _Worker:
-            items, isolated, _ = w.job
-            if isolated:  # this item alone broke a worker
-                results[items[0]] = Grade(False, False, reason)
-            else:  # find the culprit: re-run each item on its own
-                queue.extend(([i], True) for i in items)
-            fresh = self._replace(w)
-            return fresh
-
-        pending_start: dict[int, float] = {}
-        while queue or any(w.job for w in self._workers):
-            now = time.monotonic()
+        while True:
             for w in list(self._workers):
-                if w.job is None and w.ready and queue:
+                if w.ready and not w.items and queue:
                     items, isolated = queue.popleft()
-                    w.job = (items, isolated, now + budget(len(items)))
-                    req = {"items": [[responses[i], golds[i]] for i in items], "answer_format": answer_format,
-                           "timeout_s": self.timeout_s}
                     try:
-                        w.proc.stdin.write((json.dumps(req) + "\n").encode())
-                        w.proc.stdin.flush()
-                    except OSError:  # died while idle
-                        fail(w, "crashed")
-            busy = [w for w in self._workers if w.job or not w.ready]
-            for w in busy:
-                if not w.ready:
-                    pending_start.setdefault(w.proc.pid, now + self.start_timeout_s)
-            deadlines = [w.job[2] for w in busy if w.job] + [pending_start[w.proc.pid] for w in busy if not w.ready]
+                        w.send(items, isolated, request(items), time.monotonic() + budget(len(items)))
+                    except OSError:  # it died while idle
+                        self._replace(w, fail, "crashed")
+            busy = [w for w in self._workers if w.items or not w.ready]
+            if not busy and not queue:
+                return
             with selectors.DefaultSelector() as sel:
                 for w in busy:
                     sel.register(w.fd, selectors.EVENT_READ, w)
-                ready = sel.select(max(0.0, min(deadlines) - now)) if busy else []
+                ready = sel.select(max(0.0, min(w.deadline for w in busy) - time.monotonic()))
             for key, _ in ready:
                 w = key.data
                 lines = w.read_lines()
                 if lines is None:
-                    if w.job:
-                        fail(w, "crashed")
-                    else:
-                        self._replace(w)
+                    self._replace(w, fail, "crashed")
                     continue
                 for line in lines:
                     if not w.ready:
-                        w.ready = True  # the start-up line
-                        continue
-                    items, _, _ = w.job
-                    for i, (correct, formatted, reason) in zip(items, json.loads(line)["results"]):
-                        results[i] = Grade(bool(correct), bool(formatted), reason)
-                    w.job = None
-            now = time.monotonic()
+                        w.ready, w.deadline = True, math.inf  # the start-up line
+                    elif w.items:
+                        yield w.items, json.loads(line)["results"]
+                        w.items, w.deadline = [], math.inf
             for w in list(self._workers):
-                if w.job and now > w.job[2]:
-                    fail(w, "timeout")
-                elif not w.ready and now > pending_start.get(w.proc.pid, now + 1):
-                    raise RuntimeError(f"math-verify worker did not start within {self.start_timeout_s} s")
-        return results
+                if time.monotonic() > w.deadline:
+                    self._replace(w, fail, "timeout")
+
+    def _replace(self, w: _Worker, fail, reason: str) -> None:
+        """Kill ``w``, hand its chunk to ``fail`` and start a fresh worker in its place."""
+        if not w.ready:
+            self.close()
+            why = f"did not start within {self.start_timeout_s} s" if reason == "timeout" else "exited during start-up"
+            raise RuntimeError(f"math-verify worker {why} (is math-verify installed?)")
+        if w.items:
+            fail(w, reason)
+        w.kill()
+        self.restarts += 1
+        self._workers[self._workers.index(w)] = _Worker(self.start_timeout_s)
 
 
 _default_pool: Optional[MathVerifyPool] = None
