@@ -23,6 +23,7 @@ Every Megatron weight has one of six layouts. With ``tp`` ranks, rank ``r`` hold
 from __future__ import annotations
 
 import enum
+import math
 from typing import Sequence
 
 import torch
@@ -46,14 +47,8 @@ class Layout(enum.Enum):
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
     """Smallest multiple of lcm(multiple, tp) >= vocab_size (megatron's own rule uses multiple*tp,
     which changes with TP and would make checkpoints TP-specific)."""
-    import math
-
     step = math.lcm(multiple, tp)
     return -(-vocab_size // step) * step
-
-
-def _rows(x, start: int, stop: int) -> torch.Tensor:
-    return x[start:stop]
 
 
 def shard(layout: Layout, hf: Sequence, rank: int, tp: int, arch: ArchSpec, padded_vocab: int) -> torch.Tensor:
@@ -63,35 +58,33 @@ def shard(layout: Layout, hf: Sequence, rank: int, tp: int, arch: ArchSpec, padd
         return hf[0][:]
     if layout is Layout.COLUMN:
         n = _dim(hf[0], 0) // tp
-        return _rows(hf[0], rank * n, (rank + 1) * n)
+        return hf[0][rank * n:(rank + 1) * n]
     if layout is Layout.ROW:
         n = _dim(hf[0], 1) // tp
         return hf[0][:, rank * n:(rank + 1) * n]
     if layout is Layout.VOCAB:
         n = padded_vocab // tp
         start, stop = rank * n, min((rank + 1) * n, arch.vocab_size)
-        part = _rows(hf[0], start, stop) if stop > start else None
-        if part is not None and part.shape[0] == n:
-            return part
-        dtype = getattr(torch, arch.dtype) if part is None else part.dtype
-        out = torch.zeros(n, arch.hidden_size, dtype=dtype)  # [Vp/tp, H]: rows past V stay zero
-        if part is not None:
-            out[: part.shape[0]] = part
+        if stop - start == n:
+            return hf[0][start:stop]
+        out = torch.zeros(n, arch.hidden_size, dtype=getattr(torch, arch.dtype))  # [Vp/tp, H]: rows >= V stay 0
+        if stop > start:
+            out[: stop - start] = hf[0][start:stop]
         return out
     if layout is Layout.QKV:
         groups = arch.num_query_groups // tp
         d, hpg = arch.head_dim, arch.heads_per_group
         g0 = rank * groups
-        q = _rows(hf[0], g0 * hpg * d, (g0 + groups) * hpg * d)  # [groups*hpg*d, ...]
-        k = _rows(hf[1], g0 * d, (g0 + groups) * d)  # [groups*d, ...]
-        v = _rows(hf[2], g0 * d, (g0 + groups) * d)
+        q = hf[0][g0 * hpg * d:(g0 + groups) * hpg * d]  # [groups*hpg*d, ...]
+        k = hf[1][g0 * d:(g0 + groups) * d]  # [groups*d, ...]
+        v = hf[2][g0 * d:(g0 + groups) * d]
         tail = q.shape[1:]
         fused = torch.cat([q.reshape(groups, hpg * d, *tail), k.reshape(groups, d, *tail),
                            v.reshape(groups, d, *tail)], dim=1)  # [groups, (hpg+2)*d, ...]
         return fused.reshape(groups * (hpg + 2) * d, *tail)
     if layout is Layout.GATE_UP:
         n = _dim(hf[0], 0) // tp
-        return torch.cat([_rows(hf[0], rank * n, (rank + 1) * n), _rows(hf[1], rank * n, (rank + 1) * n)])
+        return torch.cat([hf[0][rank * n:(rank + 1) * n], hf[1][rank * n:(rank + 1) * n]])
     raise ValueError(f"unknown layout {layout}")
 
 
