@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_tiny_model(**{k: v for k, v in vars(args).items()})
+    out = make_tiny_model(**vars(args))
     print(f"wrote {args.family} model to {out}")
     return 0
 
