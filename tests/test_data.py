@@ -1,7 +1,6 @@
 """Datasets: shipped files, row counts, splits, the registry, the synthetic task, DP sampling."""
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
