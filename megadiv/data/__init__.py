@@ -11,7 +11,7 @@ Imports nothing from the rest of megadiv.
 from megadiv.data.config import DataConfig
 from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset,
                                    register_dataset)
-from megadiv.data.arithmetic import char_tokenizer  # noqa: E402  (also registers "arithmetic")
+from megadiv.data.arithmetic import char_tokenizer  # importing it registers the "arithmetic" dataset
 from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
 from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
 
