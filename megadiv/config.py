@@ -1,12 +1,13 @@
 """Typed run configuration: frozen dataclasses, loaded from YAML with ``key.sub=value`` overrides.
 
 Every component owns one frozen dataclass that validates itself in ``__post_init__``; the
-top-level :class:`Config` holds one of each and checks the combinations (TP must divide the
-attention heads, ...). Everything is checked when the config is loaded, before any process
+sections every layer needs (parallel, model, optim, run) live here, the others next to their
+component, and the run's top-level ``megadiv.trainer.config.TrainConfig`` holds one of each and
+checks the combinations (TP must divide the attention heads, ...). Everything is checked when the config is loaded, before any process
 group or model exists, and every error names the offending key (with the closest valid key for
 typos)::
 
-    cfg = load_config("examples/tiny/grpo.yaml", ["parallel.tensor_parallel=2"])
+    cfg = load_config(TrainConfig, "examples/tiny/grpo.yaml", ["parallel.tensor_parallel=2"])
 
 Defaults live in code; a YAML file only states what differs.
 """
@@ -77,8 +78,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The network. With ``hf_dir`` set, the architecture comes from its config.json and the
-    fields below are ignored; otherwise they describe a randomly initialised model."""
+    """The network. When ``hf_dir`` holds a checkpoint, the architecture comes from its config.json
+    and the fields below are ignored; otherwise they describe the model to create there
+    (``warm_start.make_model``)."""
 
     hf_dir: str | None = None
     """Hugging Face checkpoint directory (config.json, safetensors, tokenizer)."""
@@ -109,12 +111,13 @@ class ModelConfig:
                               f"model.num_query_groups {self.num_query_groups}")
         if self.fp8 != "none" and self.transformer_impl == "local":
             raise ConfigError("model.fp8 needs model.transformer_impl 'transformer_engine' or 'auto'")
-        if self.hf_dir is not None and not (Path(self.hf_dir) / "config.json").is_file():
-            raise ConfigError(f"model.hf_dir: no config.json in {self.hf_dir}")
+
+    def has_checkpoint(self) -> bool:
+        return self.hf_dir is not None and (Path(self.hf_dir) / "config.json").is_file()
 
     def heads(self) -> tuple[int, int, int]:
-        """(layers, attention heads, key/value heads), read from hf_dir when set."""
-        if self.hf_dir is None:
+        """(layers, attention heads, key/value heads), read from hf_dir's config.json when it exists."""
+        if not self.has_checkpoint():
             return self.num_layers, self.num_attention_heads, self.num_query_groups or self.num_attention_heads
         hf = json.loads((Path(self.hf_dir) / "config.json").read_text())
         heads = hf["num_attention_heads"]
@@ -123,6 +126,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Megatron's Adam (AdamW-style decoupled weight decay) or SGD."""
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -146,35 +151,29 @@ class OptimConfig:
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
+    """The run directory is output_dir/name: metrics, checkpoints, summary, exported model."""
     output_dir: str = "runs"
     seed: int = 1234
-    steps: int = 10
 
 
-@dataclass(frozen=True)
-class Config:
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-
-    def __post_init__(self):
-        tp, pp = self.parallel.tensor_parallel, self.parallel.pipeline_parallel
-        layers, heads, kv_heads = self.model.heads()
-        if heads % tp:
-            raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the {heads} attention heads "
-                              f"(model.num_attention_heads)")
-        if kv_heads % tp:
-            raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the {kv_heads} key/value heads "
-                              f"(model.num_query_groups); megatron-core needs one or more KV heads per rank")
-        if layers < pp:
-            raise ConfigError(f"parallel.pipeline_parallel={pp} exceeds the {layers} layers (model.num_layers)")
+def check_model_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """The model must split over the configured TP and PP sizes (checked before any process starts)."""
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    layers, heads, kv_heads = model.heads()
+    if heads % tp:
+        raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the {heads} attention heads "
+                          f"(model.num_attention_heads)")
+    if kv_heads % tp:
+        raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the {kv_heads} key/value heads "
+                          f"(model.num_query_groups); megatron-core needs one or more KV heads per rank")
+    if layers < pp:
+        raise ConfigError(f"parallel.pipeline_parallel={pp} exceeds the {layers} layers (model.num_layers)")
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: type = Config):
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] = ()):
     """Defaults <- YAML file <- ``key.sub=value`` overrides, validated into ``cls``."""
     data: dict = {}
     if path is not None:
@@ -210,14 +209,16 @@ def from_dict(cls: type, data: dict, prefix: str = "", root: type | None = None)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+        section = prefix.rstrip(".") or "config"
+        message = str(e) if str(e).startswith(section) else f"{section}: {e}"
+        raise ConfigError(message) from e
 
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
+def valid_keys(cls: type, prefix: str = "") -> list[str]:
     """Every dotted key ``cls`` accepts (sections and leaves)."""
     keys = []
     hints = typing.get_type_hints(cls)

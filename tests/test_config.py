@@ -5,7 +5,15 @@ import textwrap
 
 import pytest
 
-from megadiv.config import Config, ConfigError, load_config, valid_keys
+from megadiv.config import ConfigError, load_config, valid_keys
+from megadiv.trainer.config import TrainConfig
+
+# A config that validates without a checkpoint on disk: the tiny model would be created here.
+NEW_MODEL = ["model.hf_dir=/nonexistent/megadiv-test-model", "warm_start.make_model=qwen2"]
+
+
+def load(overrides=(), path=None):
+    return load_config(TrainConfig, path, [*NEW_MODEL, *overrides])
 
 
 @pytest.fixture
@@ -23,20 +31,21 @@ def test_defaults_file_and_overrides_compose(yaml_file):
         optim:
           lr: 1.0e-5
     """)
-    cfg = load_config(path, ["optim.lr=3e-6", "run.steps=7", "model.num_query_groups=2"])
+    cfg = load(path=path, overrides=["optim.lr=3e-6", "grpo.steps=7", "model.num_query_groups=2"])
     assert cfg.parallel.tensor_parallel == 2 and cfg.parallel.pipeline_parallel == 1
-    assert cfg.optim.lr == pytest.approx(3e-6) and cfg.run.steps == 7 and cfg.model.num_query_groups == 2
-    assert isinstance(cfg, Config)
+    assert cfg.optim.lr == pytest.approx(3e-6) and cfg.grpo.steps == 7 and cfg.model.num_query_groups == 2
+    assert isinstance(cfg, TrainConfig)
     with pytest.raises(Exception):
         cfg.optim.lr = 1.0  # frozen
 
 
 def test_ints_are_accepted_for_floats_but_not_strings():
-    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    assert load(["optim.lr=1"]).optim.lr == 1.0
+    assert load(["optim.lr=3e-6"]).optim.lr == 3e-6  # YAML 1.1 reads this as a string
     with pytest.raises(ConfigError, match="optim.lr: expected float"):
-        load_config(None, ["optim.lr=fast"])
+        load(["optim.lr=fast"])
     with pytest.raises(ConfigError, match="parallel.tensor_parallel: expected int"):
-        load_config(None, ["parallel.tensor_parallel=true"])
+        load(["parallel.tensor_parallel=true"])
 
 
 @pytest.mark.parametrize("override,message", [
@@ -48,7 +57,7 @@ def test_ints_are_accepted_for_floats_but_not_strings():
 ])
 def test_bad_keys_and_values_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load([override])
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -58,14 +67,20 @@ def test_bad_keys_and_values_are_named(override, message):
     (["parallel.sequence_parallel=true"], "sequence_parallel needs"),
     (["model.hidden_size=66"], "not divisible by model.num_attention_heads"),
     (["optim.min_lr=1.0"], "min_lr <= lr"),
+    (["advantage.group_size=4"], "must equal rollout.n_samples"),
+    (["grpo.micro_batch_size=7"], "whole grpo.micro_batch_size=7"),
+    (["loss.eps_low=1.5"], "loss: eps_low must lie in"),
+    (["rollout.top_p=0"], "rollout.top_p must lie in"),
+    (["loss.regularizer=full_prob_l2", "loss.regularizer_coef=1e-4", "parallel.pipeline_parallel=2"],
+     "supports parallel.pipeline_parallel=1 only"),
 ])
 def test_impossible_combinations_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load(overrides)
 
 
 def test_world_size_must_split_into_model_parallel_groups():
-    cfg = load_config(None, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"])
+    cfg = load(["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"])
     assert cfg.parallel.data_parallel_size(8) == 2
     with pytest.raises(ConfigError, match="world size 6 is not divisible"):
         cfg.parallel.data_parallel_size(6)
@@ -74,13 +89,15 @@ def test_world_size_must_split_into_model_parallel_groups():
 def test_hf_dir_supplies_the_head_counts(tmp_path):
     (tmp_path / "config.json").write_text('{"num_attention_heads": 9, "num_key_value_heads": 3, '
                                           '"num_hidden_layers": 30}')
-    assert load_config(None, [f"model.hf_dir={tmp_path}", "parallel.tensor_parallel=3"]).model.heads() == (30, 9, 3)
+    assert load([f"model.hf_dir={tmp_path}", "parallel.tensor_parallel=3", "warm_start.make_model=none"]).model.heads() == (30, 9, 3)
     with pytest.raises(ConfigError, match="does not divide the 9 attention heads"):
-        load_config(None, [f"model.hf_dir={tmp_path}", "parallel.tensor_parallel=2"])
+        load([f"model.hf_dir={tmp_path}", "parallel.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match="holds no config.json"):
+        load([f"model.hf_dir={tmp_path / 'missing'}", "warm_start.make_model=none"])
 
 
 def test_valid_keys_lists_sections_and_leaves():
-    keys = valid_keys()
+    keys = valid_keys(TrainConfig)
     assert "parallel" in keys and "parallel.tensor_parallel" in keys and "optim.lr" in keys
 
 
@@ -89,7 +106,7 @@ def _megadiv(*args):
 
 
 def test_cli_train_rejects_bad_config_before_starting_anything(yaml_file):
-    path = yaml_file("run: {steps: 1}\n")
+    path = yaml_file("model: {hf_dir: /nonexistent/m}\nwarm_start: {make_model: qwen2}\n")
     bad_key = _megadiv("train", str(path), "bogus.key=1")
     assert bad_key.returncode != 0 and "bogus.key" in bad_key.stderr
     bad_tp = _megadiv("train", str(path), "parallel.tensor_parallel=3", "--nproc", "3")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 from megadiv.config import ConfigError, load_config
+from megadiv.trainer.config import TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     under_torchrun = "LOCAL_RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(TrainConfig, args.config, args.overrides)
         cfg.parallel.data_parallel_size(world_size)
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)

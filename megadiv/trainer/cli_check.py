@@ -7,6 +7,7 @@ import sys
 import yaml
 
 from megadiv.config import ConfigError, load_config, to_dict
+from megadiv.trainer.config import TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(TrainConfig, args.config, args.overrides)
         if args.world_size is not None:
             cfg.parallel.data_parallel_size(args.world_size)
     except (ConfigError, OSError) as e:

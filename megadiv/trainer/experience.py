@@ -1,0 +1,96 @@
+"""From sampled completions to training rows: rewards, shaping, advantages, dynamic sampling, packing.
+
+Everything here runs on the rank that drives the rollout engine (global rank 0) and is plain
+Python/torch: the result, an :class:`Experience`, is broadcast to every rank, and each
+data-parallel replica takes its slice of the rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megadiv.divergence import AdvantageConfig, compute_advantages
+from megadiv.rewards import REASONS
+from megadiv.rollout import Completion
+from megadiv.trainer.policy import SequenceBatch
+
+
+@dataclass
+class Experience:
+    """One rollout batch, prompt-major: rows [g * G, (g + 1) * G) are prompt g's G responses."""
+
+    prompts: list[list[int]]      # [rows] prompt token ids (repeated per response)
+    responses: list[list[int]]    # [rows] response token ids
+    rollout_logprobs: list[list[float]]
+    rewards: torch.Tensor         # [rows] after shaping
+    advantages: torch.Tensor      # [rows]
+    metrics: dict[str, float]
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    def select(self, index: slice) -> "Experience":
+        return Experience(self.prompts[index], self.responses[index], self.rollout_logprobs[index],
+                          self.rewards[index], self.advantages[index], self.metrics)
+
+    def to_batch(self, pad_id: int) -> SequenceBatch:
+        """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see policy.py)."""
+        return SequenceBatch.pack(self.prompts, self.responses, pad_id, response_values=self.rollout_logprobs,
+                                  advantages=self.advantages.float())
+
+
+def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_new - buffer tokens, then
+    falling linearly to -penalty at max_new tokens. [rows] -> [rows]."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0, max=buffer)
+    return -penalty * over / buffer
+
+
+def build_experience(prompts: list[list[int]], groups: list[list[Completion]], scores: list[float],
+                     reasons: list[str], adv_cfg: AdvantageConfig, max_new_tokens: int,
+                     overlong_buffer: int = 0, overlong_penalty: float = 1.0) -> Experience:
+    """Rows for ``prompts`` and their completion ``groups`` (one list of G per prompt), with the
+    reward of each completion in ``scores`` / ``reasons`` (prompt-major order)."""
+    completions = [c for group in groups for c in group]
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
+    raw = torch.tensor(scores, dtype=torch.float32)
+    rewards = raw + overlong_shaping(lengths, max_new_tokens, overlong_buffer, overlong_penalty)
+    advantages = compute_advantages(adv_cfg, rewards)
+    grouped = raw.view(-1, adv_cfg.group_size)
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/accuracy": float((raw > 0.5).float().mean()),
+        "reward/solved_groups": float((grouped > 0.5).any(-1).float().mean()),
+        "reward/uniform_groups": float((grouped.std(-1) == 0).float().mean()),
+        "response/length_mean": float(lengths.float().mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+    }
+    metrics |= {f"reward/reason_{r}": reasons.count(r) / len(reasons) for r in REASONS}
+    return Experience(
+        prompts=[p for p, group in zip(prompts, groups) for _ in group],
+        responses=[c.token_ids for c in completions],
+        rollout_logprobs=[c.logprobs for c in completions],
+        rewards=rewards, advantages=advantages, metrics=metrics)
+
+
+def informative_groups(exp: Experience, group_size: int) -> list[int]:
+    """DAPO dynamic sampling: indices of the groups whose rewards are not all equal."""
+    grouped = exp.rewards.view(-1, group_size)
+    return [g for g in range(grouped.shape[0]) if bool((grouped[g] != grouped[g, 0]).any())]
+
+
+def take_groups(exp: Experience, groups: list[int], group_size: int) -> Experience:
+    rows = [g * group_size + j for g in groups for j in range(group_size)]
+    return Experience([exp.prompts[i] for i in rows], [exp.responses[i] for i in rows],
+                      [exp.rollout_logprobs[i] for i in rows], exp.rewards[rows], exp.advantages[rows], exp.metrics)
+
+
+def concat(parts: list[Experience]) -> Experience:
+    first = parts[0]
+    return Experience(sum((p.prompts for p in parts), []), sum((p.responses for p in parts), []),
+                      sum((p.rollout_logprobs for p in parts), []), torch.cat([p.rewards for p in parts]),
+                      torch.cat([p.advantages for p in parts]), first.metrics)

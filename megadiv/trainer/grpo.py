@@ -1,0 +1,224 @@
+"""The GRPO loop: generate -> reward -> advantage -> train -> sync -> evaluate / save.
+
+Rank 0 drives the rollout engine and the rewards (driver.py) and broadcasts each batch; every
+rank trains on its data-parallel slice through megatron's pipeline schedule (policy.py) and
+takes part in the collective weight export that rank 0 pushes to the engine.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megadiv import parallel
+from megadiv.config import ModelConfig, to_dict
+from megadiv.divergence import DIVERGENCES, compute_advantages, kl_reward_penalty
+from megadiv.rollout import ProbeBatch, check_mismatch
+from megadiv.trainer import checkpoint
+from megadiv.trainer.config import TrainConfig
+from megadiv.trainer.driver import RolloutDriver, drain
+from megadiv.trainer.experience import Experience
+from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
+from megadiv.trainer.objectives import grpo_objective
+from megadiv.trainer.policy import Policy, SequenceBatch
+from megadiv.trainer.warm_start import starting_checkpoint
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run ``cfg`` to the end; returns the run directory (summary.json, metrics.jsonl, curves.png)."""
+    info = parallel.initialize(cfg.parallel, cfg.run.seed)
+    run_dir = _prepare_run_dir(cfg, info.rank)
+    driver = None
+    try:
+        start_dir = starting_checkpoint(cfg, run_dir, info)
+        model_cfg = ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir})
+        updates_per_step = cfg.grpo.ppo_epochs * cfg.grpo.mini_batches
+        actor = Policy(model_cfg, cfg.parallel, "actor", cfg.optim, cfg.grpo.steps * updates_per_step,
+                       cfg.grpo.log_probs_chunk, cfg.rollout.temperature)
+        reference = (Policy(model_cfg, cfg.parallel, "reference", log_probs_chunk=cfg.grpo.log_probs_chunk,
+                            temperature=cfg.rollout.temperature) if cfg.needs_reference else None)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(start_dir)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        driver = RolloutDriver(cfg, start_dir, tokenizer) if info.rank == 0 else None
+        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps)
+        probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=cfg.run.seed)
+
+        state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "eval_before": None}
+        latest = checkpoint.latest_checkpoint(run_dir) if cfg.checkpoint.resume == "auto" else None
+        if latest is not None:
+            state = checkpoint.load_checkpoint(latest, actor)
+            if driver:
+                driver.sampler.load_state_dict(state["sampler"])
+                driver.push_weights(actor.export_buckets(cfg.rollout.bucket_bytes), f"step-{state['step']}")
+            else:
+                drain(actor.export_buckets(cfg.rollout.bucket_bytes))
+            _say(info.rank, f"resumed from {latest} at step {state['step']}")
+        elif driver:
+            state["eval_before"] = driver.evaluate()
+            logger.log(0, state["eval_before"], prefix="eval")
+
+        for step in range(state["step"] + 1, cfg.grpo.steps + 1):
+            timer = StepTimer()
+            exp = _broadcast(driver.collect(step, timer) if driver else None)   # generate, reward, advantage
+            with timer("train"):
+                metrics = _optimize(cfg, actor, reference, exp, info, pad_id)    # ref/old log-probs, PPO epochs
+            state = _guard(cfg, state, metrics, step)
+            with timer("sync"):
+                sync = _sync_weights(cfg, actor, driver, probe, step)                           # push to engine
+            evaluated = driver.evaluate() if driver and cfg.eval.every and step % cfg.eval.every == 0 else {}
+            logger.log(step, exp.metrics | metrics | sync | evaluated | timer.as_metrics())
+            state["step"] = step
+            if driver:
+                state["sampler"] = driver.sampler.state_dict()
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.grpo.steps:
+                checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last)
+
+        after = driver.evaluate() if driver else {}
+        if cfg.checkpoint.export_hf and not (run_dir / "hf").exists():
+            from megadiv.models.convert import write_hf_checkpoint
+
+            write_hf_checkpoint(actor.model, run_dir / "hf", start_dir, shard_bytes=2 << 30)
+        if driver:
+            logger.log(cfg.grpo.steps, after, prefix="eval")
+            _finish(run_dir, logger, state, after)
+        return run_dir
+    finally:
+        if driver:
+            driver.close()
+        parallel.shutdown()
+
+
+def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Experience, info,
+              pad_id: int) -> dict:
+    """This replica's rows: reference and old-policy log-probs, then ppo_epochs x mini_batches
+    optimizer steps."""
+    rows = _my_rows(len(exp), info)
+    batch = exp.select(rows).to_batch(pad_id)
+    mbs = cfg.grpo.micro_batch_size
+    if reference is not None:
+        batch.logp_ref = reference.log_probs(batch, mbs)
+    kl_in_reward = cfg.loss.kl_coef > 0 and cfg.loss.kl_placement == "reward"
+    if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:  # else on-policy: logp.detach()
+        batch.logp_old = actor.log_probs(batch, mbs)
+    if kl_in_reward:
+        batch.advantages = _advantages_with_kl_in_reward(cfg, exp, batch, rows)
+    regularizer = DIVERGENCES[cfg.loss.regularizer]() if cfg.uses_vocab_regularizer else None
+    objective = grpo_objective(cfg.loss)
+    size = len(batch) // cfg.grpo.mini_batches
+    steps = []
+    for epoch in range(cfg.grpo.ppo_epochs):
+        for k in range(cfg.grpo.mini_batches):
+            steps.append(actor.train_step(batch.rows(slice(k * size, (k + 1) * size)), objective, mbs,
+                                          regularizer, reference))
+    metrics = {key: sum(m[key] for m in steps) / len(steps) for key in steps[-1]}
+    metrics["skipped"] = max(m["skipped"] for m in steps)
+    return metrics
+
+
+def _advantages_with_kl_in_reward(cfg: TrainConfig, exp: Experience, batch: SequenceBatch, rows: slice):
+    """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again. The
+    last pipeline stages hold the log-probs of their replica's rows; one all-reduce assembles the
+    penalty of every row on every rank (each of the TP ranks of a last stage adds the same value)."""
+    from megatron.core import parallel_state
+
+    penalty = torch.zeros(len(exp))
+    if batch.logp_ref is not None:
+        penalty[rows] = kl_reward_penalty(cfg.loss.kl_estimator, cfg.loss.kl_coef, batch.logp_old, batch.logp_ref,
+                                          batch.loss_mask)
+    dist.all_reduce(penalty)
+    penalty /= parallel_state.get_tensor_model_parallel_world_size()
+    return compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
+
+
+def _guard(cfg: TrainConfig, state: dict, metrics: dict, step: int) -> dict:
+    """Count skipped (non-finite) steps; abort after grpo.max_nonfinite_steps in a row."""
+    skipped = metrics["skipped"] > 0 or not math.isfinite(metrics.get("loss/total", 0.0))
+    state = {**state, "nonfinite_in_row": state["nonfinite_in_row"] + 1 if skipped else 0,
+             "skipped_steps": state["skipped_steps"] + int(skipped)}
+    metrics["guard/skipped_steps"] = state["skipped_steps"]
+    if state["nonfinite_in_row"] >= cfg.grpo.max_nonfinite_steps:
+        raise NonFiniteError(f"step {step}: {state['nonfinite_in_row']} steps in a row had a non-finite loss or "
+                             f"gradient (grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); the last "
+                             f"checkpoint is intact")
+    return state
+
+
+def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, probe: ProbeBatch,
+                  step: int) -> dict:
+    """Push the actor's weights to the engine (export is collective), then compare the engine's
+    log-probs with the trainer's on the probe batch."""
+    buckets = actor.export_buckets(cfg.rollout.bucket_bytes)
+    metrics = driver.push_weights(buckets, f"step-{step}") if driver else drain(buckets) or {}
+    every = cfg.grpo.check_mismatch_every
+    if every and step % every == 0:
+        trainer_lp = _probe_logprobs(actor, probe)
+        if driver:
+            report = check_mismatch(driver.engine, probe, trainer_lp, cfg.rollout.mismatch_threshold,
+                                    f"step-{step}", temperature=cfg.rollout.temperature)
+            metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
+    return metrics
+
+
+def _probe_logprobs(actor: Policy, probe: ProbeBatch) -> list[torch.Tensor]:
+    """The trainer's log-probs of the probe responses (collective; every rank gets them)."""
+    batch = SequenceBatch.pack(probe.prompts, probe.responses, pad_id=0)
+    logp = actor.log_probs(batch, micro_batch_size=len(batch))
+    out = [None]
+    if dist.get_rank() == dist.get_world_size() - 1:  # a last pipeline stage
+        out = [[logp[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(probe.prompts,
+                                                                                       probe.responses))]]
+    dist.broadcast_object_list(out, src=dist.get_world_size() - 1)
+    return out[0]
+
+
+def _broadcast(exp: Experience | None) -> Experience:
+    box = [exp]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _my_rows(rows: int, info) -> slice:
+    """This data-parallel replica's contiguous share of the rows (rows split evenly across DP)."""
+    per = rows // info.dp_size
+    if per * info.dp_size != rows:
+        raise ValueError(f"{rows} rows do not split over {info.dp_size} data-parallel replicas")
+    return slice(info.dp_rank * per, (info.dp_rank + 1) * per)
+
+
+def _prepare_run_dir(cfg: TrainConfig, rank: int) -> Path:
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    dist.barrier()
+    return run_dir
+
+
+def _finish(run_dir: Path, logger: MetricsLogger, state: dict, after: dict) -> None:
+    before = state.get("eval_before") or {}
+    summary = {"run_dir": str(run_dir), "steps": state["step"], "skipped_steps": state["skipped_steps"],
+               "accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
+               "eval_before": before, "eval_after": after, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    logger.write_summary(summary)
+    plot_curves(run_dir)
+    logger.close()
+    if summary["accuracy_before"] is not None and summary["accuracy_after"] is not None:
+        print(f"held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}", flush=True)
+    print(f"run directory: {run_dir}", flush=True)
+    print(json.dumps({k: summary[k] for k in ("accuracy_before", "accuracy_after")}), flush=True)
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)

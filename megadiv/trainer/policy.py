@@ -1,0 +1,263 @@
+"""The policy on this rank: megatron-core chunks, and for the actor DDP, optimizer and LR schedule.
+
+Everything that touches megatron's pipeline schedule lives here, so the GRPO loop sees three calls:
+``log_probs(batch)`` (forward only), ``train_step(batch, loss_cfg)`` (forward, backward, optimizer
+step) and ``export_buckets()`` (weights for the rollout engine).
+
+Sequences are [B, S] token rows (prompt + response, right-padded). Position t of a row predicts
+token t+1, so every per-token tensor is [B, S] aligned with the *predicting* position:
+``loss_mask[b, t] = 1`` when ``tokens[b, t+1]`` is a response token.
+
+Loss scaling (the one Megatron-specific piece): megatron runs with ``calculate_per_token_loss``,
+so each micro-batch's loss function returns an aggregation *numerator* and its share of the
+*denominator* (tokens, sequences or B * L, depending on ``loss_agg``); megatron sums both over
+micro-batches and data-parallel ranks and divides the gradients once. A token-mean over a batch
+split into micro-batches and DP ranks is therefore exactly the token-mean over the whole batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+from megadiv.divergence import vocab_parallel
+from megadiv.divergence.registry import VocabDivergence
+from megadiv.models.builder import MegatronModel, build_model
+
+if TYPE_CHECKING:
+    from megadiv.trainer.objectives import LossFn
+
+
+
+@dataclass
+class SequenceBatch:
+    """Rows for one forward pass or optimizer step; every tensor is [B, S] unless noted."""
+
+    tokens: torch.Tensor                    # int64, prompt + response, right-padded
+    loss_mask: torch.Tensor                 # float, 1 where position t predicts a response token
+    advantages: torch.Tensor | None = None  # [B]
+    logp_old: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    logp_rollout: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index) -> "SequenceBatch":
+        return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                                for f in fields(self)})
+
+    def micro_batches(self, size: int) -> list["SequenceBatch"]:
+        return [self.rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    @classmethod
+    def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+             response_values: list[list[float]] | None = None, **fields) -> "SequenceBatch":
+        """Right-padded rows prompt + response; ``loss_mask`` (and ``logp_rollout`` from
+        ``response_values``) sit on the positions that predict response tokens."""
+        seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        tokens = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), seq_len)
+        values = torch.zeros(len(prompts), seq_len) if response_values is not None else None
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            tokens[i, :len(p) + len(r)] = torch.tensor(p + r)
+            start = len(p) - 1  # the last prompt position predicts the first response token
+            mask[i, start:start + len(r)] = 1.0
+            if values is not None:
+                values[i, start:start + len(r)] = torch.tensor(response_values[i], dtype=torch.float32)
+        return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)
+
+
+class Policy:
+    """One rank's share of a policy model. ``role='reference'`` builds a frozen copy without
+    optimizer state; ``role='actor'`` adds Megatron DDP, the Megatron optimizer (distributed when
+    DP > 1) and the LR schedule."""
+
+    def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
+                 optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
+                 temperature: float = 1.0):
+        from megatron.core import parallel_state
+
+        self.role = role
+        self.log_probs_chunk = log_probs_chunk
+        self.temperature = temperature
+        self.model: MegatronModel = build_model(
+            model_cfg, role=role, parallel=parallel_cfg, config_overrides={"calculate_per_token_loss": True})
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.chunks = self.model.chunks
+        self.optimizer = self.scheduler = None
+        if role == "actor":
+            self._init_training(optim_cfg or OptimConfig(), total_steps)
+
+    def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config = self.model.config
+        # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam only)
+        use_distributed_optimizer = parallel_state.get_data_parallel_world_size() > 1 and optim.optimizer == "adam"
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
+            average_in_collective=False)  # per-token loss: megatron divides by the global denominator
+        self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+                       for chunk in self.model.chunks]
+        self.model.chunks = self.chunks  # exporter and checkpoint see through DDP
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                            clip_grad=optim.clip_grad, bf16=config.bf16, fp16=config.fp16,
+                            params_dtype=config.params_dtype,
+                            use_distributed_optimizer=use_distributed_optimizer),
+            self.chunks)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+            lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _run_schedule(self, batch: SequenceBatch, micro_batch_size: int, loss_func, forward_only: bool,
+                      extra_forward=None) -> list[dict]:
+        """Push ``batch`` through megatron's pipeline schedule; returns the last stage's per-micro-batch
+        dicts (empty elsewhere). ``loss_func(mb, logits, extra)`` gets the logits shard [b, s, V/TP]."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro = batch.micro_batches(micro_batch_size)
+        seq_len = batch.tokens.shape[1]
+        positions = torch.arange(seq_len).unsqueeze(0)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens, positions.expand_as(mb.tokens), attention_mask=None)
+            extra = extra_forward(mb) if (extra_forward is not None and self.is_last_stage) else None
+            return output, partial(loss_func, mb, extra=extra)
+
+        context = torch.no_grad() if forward_only else torch.enable_grad()
+        with context:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
+                num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=micro_batch_size,
+                forward_only=forward_only)
+
+    def _token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
+        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s], from the vocab shard [b, s, V/TP]."""
+        target = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # last position: masked out anyway
+        kwargs = dict(group=self.tp_group, vocab_start=self.vocab_start, vocab_size=self.model.vocab_size,
+                      chunk_size=self.log_probs_chunk)
+        if with_entropy:
+            return vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
+        return vocab_parallel.log_probs(logits, target, **kwargs), None
+
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits / T in float32: log-probs of the distribution the rollout engine sampled from
+        (megadiv.rollout's convention), so that ratios to rollout log-probs are meaningful."""
+        logits = logits.float()
+        return logits if self.temperature in (0.0, 1.0) else logits / self.temperature
+
+    def log_probs(self, batch: SequenceBatch, micro_batch_size: int) -> torch.Tensor | None:
+        """[B, S] log-probs of each next token (last pipeline stage; None on the others)."""
+        def loss_func(mb, logits, extra=None):
+            logp, _ = self._token_log_probs(self._tempered(logits), mb.tokens, with_entropy=False)
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": logp}
+
+        out = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True)
+        return torch.cat([o["logp"] for o in out]) if self.is_last_stage else None
+
+    def logits_for(self, batch: SequenceBatch) -> torch.Tensor:
+        """Logit shard [B, S, V/TP] of this rank, without grad (reference model at PP=1 only)."""
+        with torch.no_grad():
+            positions = torch.arange(batch.tokens.shape[1]).unsqueeze(0).expand_as(batch.tokens)
+            return self.chunks[0](batch.tokens, positions, attention_mask=None)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: SequenceBatch, loss_fn: "LossFn", micro_batch_size: int,
+                   regularizer: VocabDivergence | None = None, reference: "Policy | None" = None) -> dict[str, float]:
+        """One optimizer step of ``loss_fn`` (see objectives.py) on ``batch``. Skips the update, and
+        reports ``skipped=1``, when any gradient is not finite. A full-vocabulary ``regularizer``
+        D(pi_theta, pi_ref) is evaluated on the actor's and ``reference``'s logit shards (PP=1)."""
+        def loss_func(mb, logits, extra=None):
+            logits = self._tempered(logits)
+            logp, ent = self._token_log_probs(logits, mb.tokens, with_entropy=True)
+            vocab_div = None
+            if regularizer is not None:
+                vocab_div = regularizer(logits, self._tempered(extra), group=self.tp_group,
+                                        vocab_start=self.vocab_start, vocab_size=self.model.vocab_size)
+            numerator, denominator, metrics = loss_fn(mb, logp, ent.detach(), vocab_div)
+            # loss/* metrics are numerators too: per micro-batch means, weighted by the denominator
+            # in _reduce_metrics; the other metrics are token means, weighted by the token count.
+            denominator = torch.as_tensor(denominator, dtype=torch.float32)
+            metrics = {k: v.detach() / denominator.clamp(min=1) if k.startswith("loss/") else v.detach()
+                       for k, v in metrics.items()}
+            weights = {"_weight/loss": denominator, "_weight/tokens": mb.loss_mask.sum()}
+            return numerator, denominator.round().to(torch.int), metrics | weights
+
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        extra = reference.logits_for if regularizer is not None else None
+        out = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=False, extra_forward=extra)
+
+        grad_norm = float("nan")
+        finite = self._grads_finite()
+        if finite:
+            ok, norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            finite = bool(ok)
+            grad_norm = float(norm) if norm is not None else grad_norm
+        metrics = self._reduce_metrics(out)
+        metrics.update(skipped=float(not finite), lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm)
+        return metrics
+
+    def _grads_finite(self) -> bool:
+        """All gradients of all ranks finite (one all-reduce): a NaN step is skipped, not applied."""
+        flags = [torch.isfinite(p.main_grad).all() for c in self.chunks for p in c.parameters()
+                 if p.requires_grad and getattr(p, "main_grad", None) is not None]
+        ok = torch.stack(flags).all().float() if flags else torch.ones(())
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok > 0)
+
+    def _reduce_metrics(self, out: list[dict]) -> dict[str, float]:
+        """The last stages' micro-batch metrics over all DP replicas, known to every rank: ``*/max``
+        and ``*/min`` by max and min, the others as weighted means. (TP ranks of a last stage hold
+        identical values: their copies cancel out.) Two collectives per step, no more."""
+        keys = [sorted(k for k in out[0] if not k.startswith("_")) if out else None]
+        dist.broadcast_object_list(keys, src=dist.get_world_size() - 1)  # the last rank is a last stage
+        keys = keys[0]
+        weight_of = ["_weight/loss" if k.startswith("loss/") else "_weight/tokens" for k in keys]
+        sign = torch.tensor([1.0 if k.endswith("/max") else -1.0 if k.endswith("/min") else 0.0 for k in keys],
+                            dtype=torch.float64)
+        sums = torch.zeros(2, len(keys), dtype=torch.float64)  # [weighted sum, weight] per key
+        extreme = torch.full((len(keys),), -math.inf, dtype=torch.float64)  # max of sign * value
+        for o in out:
+            values = torch.stack([o[k].double() for k in keys])
+            w = torch.stack([o[wk].double() for wk in weight_of])
+            sums[0] += values * w
+            sums[1] += w
+            extreme = torch.maximum(extreme, values * sign)
+        dist.all_reduce(sums)
+        dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
+        means = sums[0] / sums[1].clamp(min=1e-30)
+        reduced = torch.where(sign != 0, extreme * sign, means)
+        return {k: float(v) for k, v in zip(keys, reduced.tolist())}
+
+    def export_buckets(self, bucket_bytes: int):
+        from megadiv.models.export import iter_hf_weight_buckets
+
+        return iter_hf_weight_buckets(self.model, bucket_bytes)
+
