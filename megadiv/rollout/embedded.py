@@ -76,8 +76,7 @@ class EmbeddedEngine:
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-              temperature: float = 1.0) -> list[torch.Tensor]:
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         check_prompts(prompts)
         self._check_not_paused()
         if len(prompts) != len(responses):
@@ -90,7 +89,7 @@ class EmbeddedEngine:
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-        logp = F.log_softmax(logits / (temperature or 1.0), dim=-1)  # [batch, width, vocab]
+        logp = F.log_softmax(logits, dim=-1)  # [batch, width, vocab]
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses)):
             # logits at position t predict token t + 1: response token j sits at len(p) + j

@@ -100,10 +100,10 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt (token ids in); returns [prompt][sample]."""
 
-    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-              temperature: float = 1.0) -> list[torch.Tensor]:
-        """Log-probs of the given response tokens after their prompts: one float32 tensor
-        [len(response)] per pair, log_softmax(logits / temperature). Used by the mismatch check."""
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-probs of the given response tokens after their prompts under the raw policy
+        (temperature 1: log_softmax(logits)): one float32 tensor [len(response)] per pair.
+        Used by the mismatch check. (SGLang computes prompt log-probs without temperature.)"""
 
     def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
         """Load the trainer's weights, bucket by bucket, then serve them as ``version``.

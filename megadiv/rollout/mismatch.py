@@ -6,7 +6,7 @@ After every sync the engine scores the same probe tokens the trainer scores with
     trainer_lp = trainer_logprobs(probe)                                # [len(response)] per pair
     report = check_mismatch(engine, probe, trainer_lp, cfg.rollout.mismatch_threshold, version)
 
-Both sides use log_softmax(logits / T) at the same T (1 by default). With identical weights the
+Both sides use the raw policy, log_softmax(logits) (temperature 1). With identical weights the
 difference is numerical noise (float32: ~1e-6; bf16: ~1e-2); a stale, missing or misnamed tensor
 moves it by O(1), and the threshold turns that silent corruption into an error.
 """
@@ -51,12 +51,12 @@ TrainerLogprobs = Sequence[torch.Tensor] | Callable[[ProbeBatch], Sequence[torch
 
 
 def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLogprobs, threshold: float,
-                   version: str, temperature: float = 1.0) -> MismatchReport:
+                   version: str) -> MismatchReport:
     """Score ``probe`` with the engine, compare with the trainer's log-probs (a list of
     [len(response)] tensors, or a callable producing it); log the figures; raise WeightSyncError
     when the mean absolute difference exceeds ``threshold``."""
     expected = trainer(probe) if callable(trainer) else trainer
-    got = engine.score(probe.prompts, probe.responses, temperature=temperature)
+    got = engine.score(probe.prompts, probe.responses)
     if len(expected) != len(got) or any(e.numel() != g.numel() for e, g in zip(expected, got)):
         raise ValueError(f"trainer log-probs have shapes {[tuple(e.shape) for e in expected]}, the probe's "
                          f"responses {[len(r) for r in probe.responses]}")

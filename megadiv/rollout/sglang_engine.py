@@ -89,18 +89,18 @@ class SGLangEngine:
                        for o in outs]
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-              temperature: float = 1.0) -> list[torch.Tensor]:
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         check_prompts(prompts)
         self._check_not_paused()
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         seqs = [(list(p), list(r)) for p, r in zip(prompts, responses)]
         # logprob_start_len = len(prompt) - 1 returns entries for tokens prompt[-1], response...;
-        # the first is always None (SGLang reports no log-prob for the first returned position)
+        # the first is always None (SGLang reports no log-prob for the first returned position).
+        # These prompt log-probs are log_softmax(logits) whatever the request's temperature.
         outs = self._scatter(seqs, lambda chunk: {
             "input_ids": [p + r for p, r in chunk], "logprob_start_len": [len(p) - 1 for p, _ in chunk],
-            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}, "return_logprob": True}, "score")
+            "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}, "score")
         return [torch.tensor([x[0] for x in o["meta_info"]["input_token_logprobs"][1:]], dtype=torch.float32)
                 for o in outs]
 

@@ -27,6 +27,7 @@ import time
 import weakref
 from pathlib import Path
 
+import psutil
 import requests
 import torch
 
@@ -139,23 +140,35 @@ class SGLangServer:
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
-    # SGLang may ignore SIGTERM while its scheduler is blocked in a collective: hence the SIGKILL.
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    """SIGTERM the server's process group; SIGKILL what is left once the leader exits or after
+    ``grace_s`` (SGLang may ignore SIGTERM while its scheduler is blocked in a collective, and its
+    children may outlive the leader); then wait until no live member remains."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
         try:
-            proc.wait(timeout=wait_s)
+            proc.wait(timeout=grace_s if sig == signal.SIGTERM else 10.0)
         except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + 10.0
+    while live_group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if live_group_members(proc.pid):
+        log.error("SGLang server process group %d still has live members %s", proc.pid, live_group_members(proc.pid))
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group ``pgid`` that are not zombies (orphaned zombies wait for init)."""
+    live = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                live.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
             continue
-        if sig == signal.SIGTERM:  # the leader exited; its children may linger in the group
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        break
-    proc.poll()
+    return live
 
 
 def _term_on_parent_death() -> None:

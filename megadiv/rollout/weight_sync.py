@@ -152,8 +152,9 @@ class BroadcastGroup:
     server; one broadcast delivers a bucket to all of them.
 
     torch has no public API for a second, independent world next to torchrun's default group,
-    so this follows SGLang's own ``init_custom_process_group`` (torch's rendezvous + private
-    ``_new_process_group_helper``): the same construction on both ends makes the store keys agree.
+    so this follows SGLang's own ``init_custom_process_group`` (a TCP store, a prefix store named
+    after the group, torch's private ``_new_process_group_helper``): the same construction on both
+    ends makes the store keys agree.
     """
 
     def __init__(self, peers: list[Peer], timeout_s: float, pool: ThreadPoolExecutor):
@@ -218,13 +219,15 @@ class BroadcastGroup:
 
 
 def _custom_group(backend: str, host: str, port: int, world_size: int, name: str, timeout_s: float):
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, _ = next(rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # host the store ourselves: torch's tcp:// rendezvous would only connect as a client under
+    # torchrun (TORCHELASTIC_USE_AGENT_STORE), and the servers connect as clients too
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                          multi_tenant=True)
     device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(name, store),
+    pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(name, store),
                                       group_name=name, timeout=timeout, **device)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

@@ -1,0 +1,111 @@
+"""Rollout pieces that need no engine: config validation, bucket flattening, the weight manifest,
+the launch command and environment of a CPU server, the probe batch."""
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megadiv.config import ConfigError, from_dict
+from megadiv.rollout import ProbeBatch, RolloutConfig, SamplingParams, WeightSyncError
+from megadiv.rollout.sglang_server import CPU_STANDINS, child_env, launch_command
+from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manifest
+
+
+@pytest.mark.parametrize("key, value", [
+    ("n_samples", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("max_new_tokens", 0),
+    ("bucket_bytes", 0), ("sync_timeout_s", 0.0), ("mismatch_threshold", 0.0), ("server_urls", ("node7:30000",)),
+    ("stop_token_ids", (-1,)), ("mem_fraction_static", 1.0), ("server_tp", 0),
+])
+def test_config_rejects_bad_values_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"rollout.{key}"):
+        RolloutConfig(**{key: value})
+
+
+def test_config_loads_from_yaml_dict_with_types_checked():
+    cfg = from_dict(RolloutConfig, {"engine": "sglang", "server_urls": ["http://a:1", "http://b:2"],
+                                    "sync_method": "disk", "stop_token_ids": [2, 7]})
+    assert cfg.server_urls == ("http://a:1", "http://b:2") and cfg.stop_token_ids == (2, 7)
+    with pytest.raises(ConfigError, match="sync_method"):
+        from_dict(RolloutConfig, {"sync_method": "nccl"})
+    with pytest.raises(ConfigError, match="server_urls"):
+        RolloutConfig(engine="embedded", server_urls=("http://a:1",))
+    assert SamplingParams.from_config(cfg).stop_token_ids == (2, 7)
+
+
+def test_flatten_bucket_aligns_every_tensor_and_round_trips():
+    """SGLang rebuilds tensor i from bytes [offset_i, offset_i + nbytes_i) and rejects an offset
+    that is not a multiple of its element size: odd-sized small-dtype tensors must not come first."""
+    bucket = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.randn(2, 3)),
+              ("c", torch.arange(5, dtype=torch.int8)), ("d", torch.randn(4, dtype=torch.float64))]
+    flat, fields = flatten_bucket(bucket)
+    assert flat.dtype == torch.uint8 and flat.numel() == 3 * 2 + 6 * 4 + 5 + 4 * 8
+    offset, original = 0, dict(bucket)
+    for name, dtype, shape in zip(fields["names"], fields["dtypes"], fields["shapes"]):
+        dt = getattr(torch, dtype)
+        n = torch.Size(shape).numel() * dt.itemsize
+        assert offset % dt.itemsize == 0, f"{name} at unaligned offset {offset}"
+        assert torch.equal(flat[offset:offset + n].view(dt).view(shape), original[name])
+        offset += n
+    assert sorted(fields["names"]) == ["a", "b", "c", "d"] and fields["load_format"] == "flattened_bucket"
+
+
+def test_manifest_and_bucket_check(tmp_path):
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4), "model.norm.weight": torch.zeros(4, dtype=torch.bfloat16)},
+              str(tmp_path / "model-00001.safetensors"))
+    manifest = read_manifest(tmp_path)
+    assert manifest == {"model.embed_tokens.weight": ((10, 4), torch.float32), "model.norm.weight": ((4,), torch.bfloat16)}
+    assert read_manifest(tmp_path / "absent") is None
+    check_bucket([("model.norm.weight", torch.ones(4))], manifest, "bucket 0")  # dtype may differ: the loader casts
+    with pytest.raises(WeightSyncError, match=r"bucket 3: tensor 'model.nrom.weight' is not a weight"):
+        check_bucket([("model.nrom.weight", torch.ones(4))], manifest, "bucket 3")
+    with pytest.raises(WeightSyncError, match=r"shape \(4, 10\), the served model's is \(10, 4\)"):
+        check_bucket([("model.embed_tokens.weight", torch.ones(4, 10))], manifest, "bucket 0")
+
+
+def test_cpu_server_command_and_environment():
+    cfg = RolloutConfig(engine="sglang", server_args=("--max-running-requests", "8"))
+    cmd = launch_command("/ckpt", 31234, cfg, cuda=False)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31234" in cmd
+    for flag in ("--device", "--attention-backend", "--sampling-backend", "--skip-server-warmup"):
+        assert flag in cmd
+    assert cmd[-2:] == ["--max-running-requests", "8"]
+    env = child_env(cuda=False)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
+    assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
+    gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), cuda=True)
+    assert gpu[gpu.index("--tp-size") + 1] == "2" and "--device" not in gpu
+    with pytest.raises(ValueError, match="server_tp"):
+        launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), cuda=False)
+
+
+def test_cpu_standins_are_not_importable_in_the_trainer():
+    import importlib.util
+    assert importlib.util.find_spec("sgl_kernel") is None
+    assert importlib.util.find_spec("torchvision") is None
+
+
+def test_sgl_kernel_standin_matches_the_triton_kernel_semantics():
+    """assign_req_to_token_pool: request i's slots out_cache_loc[sum_{j<i} len_j : ... + len_i]
+    land in row req_pool_indices[i], columns start_i:end_i; nothing else changes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sgl_kernel_standin", CPU_STANDINS / "sgl_kernel" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = torch.full((4, 8), -1, dtype=torch.int32)
+    mod.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), table, torch.tensor([1, 3]), torch.tensor([4, 5]),
+                                     torch.tensor([10, 11, 12, 20, 21], dtype=torch.int32), 8)
+    expected = torch.full((4, 8), -1, dtype=torch.int32)
+    expected[2, 1:4] = torch.tensor([10, 11, 12], dtype=torch.int32)
+    expected[0, 3:5] = torch.tensor([20, 21], dtype=torch.int32)
+    assert torch.equal(table, expected)
+    with pytest.raises(NotImplementedError, match="fused_experts_cpu"):
+        mod.fused_experts_cpu()
+
+
+def test_probe_batch_is_fixed_by_its_seed():
+    cfg = RolloutConfig(probe_prompts=3, probe_prompt_len=5, probe_response_len=7)
+    a, b = ProbeBatch.random(50, cfg, seed=1), ProbeBatch.random(50, cfg, seed=1)
+    assert a == b and a != ProbeBatch.random(50, cfg, seed=2)
+    assert [len(p) for p in a.prompts] == [5] * 3 and [len(r) for r in a.responses] == [7] * 3
+    assert all(0 <= t < 50 for seq in a.prompts + a.responses for t in seq)
