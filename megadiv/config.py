@@ -85,14 +85,21 @@ class ModelConfig:
     hf_dir: str | None = None
     """Hugging Face checkpoint directory (config.json, safetensors, tokenizer)."""
     num_layers: int = 2
+    """Transformer layers of a model to create."""
     hidden_size: int = 64
+    """Hidden width of a model to create."""
     num_attention_heads: int = 4
+    """Attention heads of a model to create (TP must divide them)."""
     num_query_groups: int | None = None
     """Key/value heads (GQA); None means as many as attention heads."""
     ffn_hidden_size: int = 256
+    """MLP width of a model to create."""
     vocab_size: int = 128
+    """Vocabulary of a model to create without a tokenizer (a created model takes its tokenizer's)."""
     max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) of a model to create."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the Megatron weights (bf16 wraps the model in megatron's Float16Module)."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer implementation: megatron's local spec (CPU), Transformer Engine (GPU); auto picks."""
     fp8: Literal["none", "delayed", "tensorwise", "mxfp8", "blockwise"] = "none"
@@ -129,15 +136,20 @@ class OptimConfig:
     optimizer: Literal["adam", "sgd"] = "adam"
     """Megatron's Adam (AdamW-style decoupled weight decay) or SGD."""
     lr: float = 1e-6
+    """Peak learning rate."""
     min_lr: float = 0.0
+    """Floor of the linear/cosine decay."""
     weight_decay: float = 0.0
+    """Decoupled weight decay."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
     decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """LR decay after warm-up, over all optimizer steps of the run (grpo.steps x epochs x mini-batches)."""
 
     def __post_init__(self):
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -154,6 +166,7 @@ class RunConfig:
     """The run directory is output_dir/name: metrics, checkpoints, summary, exported model."""
     output_dir: str = "runs"
     seed: int = 1234
+    """Seeds model init, megatron's RNG and the rollout sampling of each step (reproducible resume)."""
 
 
 def check_model_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:

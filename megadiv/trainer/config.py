@@ -49,12 +49,16 @@ class GRPOConfig:
     """DAPO overlong shaping: responses longer than max_new_tokens - buffer lose reward linearly,
     reaching -overlong_penalty at max_new_tokens; 0 disables."""
     overlong_penalty: float = 1.0
+    """Reward lost by a response of max_new_tokens under overlong shaping."""
     log_probs_chunk: int | None = None
     """Token rows per chunk of the vocab-parallel log-prob/entropy (None: sized to ~2 MiB)."""
     max_nonfinite_steps: int = 3
     """Abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
     check_mismatch_every: int = 1
     """Compare engine and trainer log-probs on a probe batch after every N-th weight sync (0: never)."""
+    stop_after: int | None = None
+    """End this launch after this step (checkpointed); the same command resumes. The LR schedule
+    and everything else still plan for ``steps``. For time-limited or preemptible jobs."""
 
     def __post_init__(self):
         for key in ("steps", "prompts_per_step", "micro_batch_size", "ppo_epochs", "mini_batches",
@@ -66,6 +70,8 @@ class GRPOConfig:
                               "must be >= 0")
         if self.overlong_penalty < 0:
             raise ConfigError(f"grpo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ConfigError(f"grpo.stop_after must lie in [1, grpo.steps={self.steps}], got {self.stop_after}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class EvalConfig:
     samples: int = 0
     """k for avg@k and pass@k at ``temperature`` (0: greedy pass@1 only)."""
     temperature: float = 1.0
+    """Sampling temperature of avg@k / pass@k."""
 
     def __post_init__(self):
         if self.every < 0 or self.samples < 0 or self.temperature < 0:
@@ -93,12 +100,17 @@ class WarmStartConfig:
 
     make_model: Literal["none", "qwen2", "qwen3", "llama"] = "none"
     """Create a random model of this family at model.hf_dir unless a checkpoint is already there."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Tokenizer of the created model: one token per character of tokenizer_chars, or a small
+    byte-level BPE (for text tasks)."""
     tokenizer_chars: str = "0123456789+="
     """Alphabet of the created model's character tokenizer."""
     sft_steps: int = 0
     """Supervised steps on data's reference answers before GRPO (0: none)."""
     sft_batch_size: int = 128
+    """Sequences per warm-start step (divisible by the data-parallel size)."""
     sft_lr: float = 1e-3
+    """Learning rate of the warm start (constant, Adam)."""
 
     def __post_init__(self):
         if self.sft_steps < 0 or self.sft_batch_size < 1 or self.sft_lr <= 0:

@@ -68,7 +68,8 @@ def train(cfg: TrainConfig) -> Path:
             state["eval_before"] = driver.evaluate()
             logger.log(0, state["eval_before"], prefix="eval")
 
-        for step in range(state["step"] + 1, cfg.grpo.steps + 1):
+        last = cfg.grpo.stop_after or cfg.grpo.steps
+        for step in range(state["step"] + 1, last + 1):
             timer = StepTimer()
             exp = _broadcast(driver.collect(step, timer) if driver else None)   # generate, reward, advantage
             with timer("train"):
@@ -81,8 +82,13 @@ def train(cfg: TrainConfig) -> Path:
             state["step"] = step
             if driver:
                 state["sampler"] = driver.sampler.state_dict()
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.grpo.steps:
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
                 checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last)
+        if last < cfg.grpo.steps:
+            _say(info.rank, f"stopped after step {last} (grpo.stop_after); the same command with a larger or no "
+                            f"grpo.stop_after continues from here\n"
+                            f"run directory: {run_dir}")
+            return run_dir
 
         after = driver.evaluate() if driver else {}
         if cfg.checkpoint.export_hf and not (run_dir / "hf").exists():
@@ -164,16 +170,16 @@ def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None,
     if every and step % every == 0:
         trainer_lp = _probe_logprobs(actor, probe)
         if driver:
-            report = check_mismatch(driver.engine, probe, trainer_lp, cfg.rollout.mismatch_threshold,
-                                    f"step-{step}", temperature=cfg.rollout.temperature)
+            report = check_mismatch(driver.engine, probe, trainer_lp, cfg.rollout.mismatch_threshold, f"step-{step}")
             metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
     return metrics
 
 
 def _probe_logprobs(actor: Policy, probe: ProbeBatch) -> list[torch.Tensor]:
-    """The trainer's log-probs of the probe responses (collective; every rank gets them)."""
+    """The trainer's raw-policy (temperature 1, as engine.score) log-probs of the probe responses
+    (collective; every rank gets them)."""
     batch = SequenceBatch.pack(probe.prompts, probe.responses, pad_id=0)
-    logp = actor.log_probs(batch, micro_batch_size=len(batch))
+    logp = actor.log_probs(batch, micro_batch_size=len(batch), temperature=1.0)
     out = [None]
     if dist.get_rank() == dist.get_world_size() - 1:  # a last pipeline stage
         out = [[logp[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(probe.prompts,

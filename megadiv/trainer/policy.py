@@ -163,16 +163,19 @@ class Policy:
             return vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
         return vocab_parallel.log_probs(logits, target, **kwargs), None
 
-    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+    def _tempered(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """logits / T in float32: log-probs of the distribution the rollout engine sampled from
         (megadiv.rollout's convention), so that ratios to rollout log-probs are meaningful."""
+        t = self.temperature if temperature is None else temperature
         logits = logits.float()
-        return logits if self.temperature in (0.0, 1.0) else logits / self.temperature
+        return logits if t in (0.0, 1.0) else logits / t
 
-    def log_probs(self, batch: SequenceBatch, micro_batch_size: int) -> torch.Tensor | None:
-        """[B, S] log-probs of each next token (last pipeline stage; None on the others)."""
+    def log_probs(self, batch: SequenceBatch, micro_batch_size: int,
+                  temperature: float | None = None) -> torch.Tensor | None:
+        """[B, S] log-probs of each next token at ``temperature`` (default: the rollout's), on the
+        last pipeline stage; None on the others."""
         def loss_func(mb, logits, extra=None):
-            logp, _ = self._token_log_probs(self._tempered(logits), mb.tokens, with_entropy=False)
+            logp, _ = self._token_log_probs(self._tempered(logits, temperature), mb.tokens, with_entropy=False)
             return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": logp}
 
         out = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True)

@@ -41,7 +41,8 @@ def _make_model(cfg: TrainConfig) -> None:
     from megadiv.models.tiny import make_tiny_model
 
     m = cfg.model
-    make_tiny_model(m.hf_dir, cfg.warm_start.make_model, tokenizer="char", chars=cfg.warm_start.tokenizer_chars,
+    make_tiny_model(m.hf_dir, cfg.warm_start.make_model, tokenizer=cfg.warm_start.tokenizer,
+                    chars=cfg.warm_start.tokenizer_chars,
                     layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                     kv_heads=m.num_query_groups or m.num_attention_heads, ffn=m.ffn_hidden_size,
                     tied=True, max_positions=m.max_position_embeddings, seed=cfg.run.seed)
