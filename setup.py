@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["megadiv", "megadiv.*"]),
-    package_data={"megadiv": ["data/files/*/*"]},
+    package_data={"megadiv": ["data/files/*.md", "data/files/*/*", "rollout/sglang_cpu/**/*"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1",

@@ -186,20 +186,33 @@ def check_model_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(cls: type, path: str | Path | None = None, overrides: list[str] = ()):
-    """Defaults <- YAML file <- ``key.sub=value`` overrides, validated into ``cls``."""
+def load_config(cls: type, paths: str | Path | list | None = None, overrides: list[str] = ()):
+    """Defaults <- YAML files (merged left to right, nested sections key by key) <- ``key.sub=value``
+    overrides, validated into ``cls``."""
     data: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
+    for path in [paths] if isinstance(paths, (str, Path)) else (paths or []):
+        layer = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(layer, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        data = _merge(data, layer)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
         _set_dotted(data, key.strip(), yaml.safe_load(value) if value.strip() else None)
     return from_dict(cls, data)
+
+
+def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """Command-line positionals -> (YAML files, key=value overrides)."""
+    return [a for a in args if "=" not in a], [a for a in args if "=" in a]
+
+
+def _merge(base: dict, layer: dict) -> dict:
+    out = dict(base)
+    for key, value in layer.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def from_dict(cls: type, data: dict, prefix: str = "", root: type | None = None):

@@ -106,16 +106,19 @@ def info() -> ParallelInfo:
     return _INFO
 
 
-def shutdown() -> None:
-    """Destroy megatron's groups and the default group; switch the CPU layer off."""
+def shutdown(keep_default_group: bool = False) -> None:
+    """Destroy megatron's groups and (unless ``keep_default_group``, e.g. to initialise another
+    layout in the same job) the default group; switch the CPU layer off with it."""
     global _INFO
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _INFO = None
+    if keep_default_group:
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
     cpu_compat.disable()
-    _INFO = None
 
 
 def _free_port() -> int:

@@ -21,12 +21,9 @@ def _setup(tp: int, pp: int):
 
 def _teardown_megatron_only():
     """Drop megatron's groups but keep the default group, so the next layout can be built."""
-    from megatron.core import parallel_state
+    from megadiv.parallel import shutdown
 
-    import megadiv.parallel.distributed as d
-
-    parallel_state.destroy_model_parallel()
-    d._INFO = None
+    shutdown(keep_default_group=True)
 
 
 def _model(info, seed: int = 7):

@@ -21,15 +21,10 @@ FAMILIES = ("qwen2", "qwen3", "llama")
 
 def _layout(tp: int, pp: int, vpp: int | None = None):
     """(Re)build megatron's parallel state for TP x PP (x VPP), keeping the default group."""
-    from megatron.core import parallel_state
-
-    import megadiv.parallel.distributed as distributed
     from megadiv.config import ParallelConfig
-    from megadiv.parallel import initialize
+    from megadiv.parallel import initialize, shutdown
 
-    if distributed._INFO is not None:
-        parallel_state.destroy_model_parallel()
-        distributed._INFO = None
+    shutdown(keep_default_group=True)
     return initialize(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp))
 
 
