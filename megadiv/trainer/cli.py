@@ -18,20 +18,30 @@ from megadiv.config import ConfigError, load_config, split_config_args
 from megadiv.trainer.config import TrainConfig
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs="+", metavar="CONFIG|key=value",
+def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("args", nargs="+" if required else "*", metavar="CONFIG|key=value",
                         help="YAML configs (merged left to right), then key.sub=value overrides")
+
+
+def load_train_config(args: argparse.Namespace, world_size: int | None) -> TrainConfig:
+    """The validated config of ``args``; with ``world_size``, also checked against TP x PP x CP."""
+    paths, overrides = split_config_args(args.args)
+    cfg = load_config(TrainConfig, paths, overrides)
+    if world_size is not None:
+        cfg.parallel.data_parallel_size(world_size)
+    return cfg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
     parser.add_argument("--nproc", type=int, default=None,
                         help="launch N local ranks with torchrun (default: the current torchrun world, or 1)")
 
 
 def run(args: argparse.Namespace) -> int:
     under_torchrun = "LOCAL_RANK" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
     try:
-        paths, overrides = split_config_args(args.args)
-        cfg = load_config(TrainConfig, paths, overrides)
-        cfg.parallel.data_parallel_size(world_size)
+        cfg = load_train_config(args, int(os.environ.get("WORLD_SIZE", args.nproc or 1)))
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
@@ -41,5 +51,9 @@ def run(args: argparse.Namespace) -> int:
         return subprocess.call(cmd)
     from megadiv.trainer.grpo import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as e:  # found only once the checkpoint or data is read
+        print(f"megadiv: invalid config: {e}", file=sys.stderr)
+        return 2
     return 0
