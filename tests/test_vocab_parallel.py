@@ -103,6 +103,24 @@ def test_gradcheck_full_vocab_measure(name):
     torch.testing.assert_close(z2.grad, z.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", VOCAB_MEASURES)
+def test_full_vocab_chunks_and_tiles_do_not_change_the_result(name):
+    z, zb, _ = logits(tokens=11, vocab=13, padded=16)
+    results = []
+    for chunk, tile_rows in ((None, None), (5, 2), (1, 1)):
+        torch.manual_seed(0)
+        measure = get_divergence(name, chunk_size=chunk)
+        if tile_rows is not None:
+            measure.tile_elements = tile_rows * 13
+        x, xb = z.clone().requires_grad_(), zb.clone().requires_grad_()
+        value = measure(x, xb, vocab_size=13)
+        value.sum().backward()
+        results.append((value.detach(), x.grad, xb.grad))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_logits_reduce_in_float32(dtype):
     z, zb, t = logits(tokens=8, vocab=500, padded=512, dtype=dtype)
@@ -141,20 +159,41 @@ def test_inplace_backward_equals_out_of_place_and_guards_other_users():
         loss.backward()
 
 
-def test_forward_saves_no_vocabulary_sized_tensor():
-    """Only the inputs themselves and per-token statistics are kept for the backward."""
-    z, zb, t = logits(tokens=32, vocab=100, padded=100)
-    z, zb = z.requires_grad_(), zb.requires_grad_()
-    saved = []
+def peak_allocated_bytes(step) -> int:
+    """Largest running sum of CPU-allocator allocations minus frees while ``step()`` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
-    def pack(x):
-        saved.append(x)
-        return x
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        vp.log_probs_and_entropy(z, t, chunk_size=4)
-        get_divergence("full_prob_l2", chunk_size=4)(z, zb)
-    big = [x for x in saved if x.numel() >= z.numel()]
-    assert big and all(x.data_ptr() in (z.data_ptr(), zb.data_ptr()) for x in big)
+
+def test_extra_memory_is_bounded_by_the_chunk():
+    """Forward + backward allocate the gradient (not even that in place) plus O(chunk) temporaries,
+    not O(tokens x vocab) ones; the forward saves only the logits themselves."""
+    z, zb, t = logits(tokens=256, vocab=1000, padded=1000, dtype=torch.float32)
+    chunk, full = 8, z.nbytes
+    chunk_bytes = chunk * z.shape[1] * 4
+
+    def step(x, inplace):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda a: saved.append(a) or a, lambda a: a):
+            lp, ent = vp.log_probs_and_entropy(x, t, chunk_size=chunk, inplace_backward=inplace)
+        assert all(a.numel() < x.numel() or a.data_ptr() == x.data_ptr() for a in saved)
+        (lp + ent).sum().backward()
+    for inplace, grad_bytes in ((True, 0), (False, full)):
+        x = z.clone().requires_grad_()
+        assert peak_allocated_bytes(lambda: step(x, inplace)) < grad_bytes + 8 * chunk_bytes
+    measure = get_divergence("full_prob_l2", chunk_size=chunk)
+    with torch.no_grad():
+        assert peak_allocated_bytes(lambda: measure(z, zb)) < 12 * chunk_bytes
+    x = z.clone().requires_grad_()
+    assert peak_allocated_bytes(lambda: measure(x, zb).sum().backward()) < full + 12 * chunk_bytes
 
 
 # ----------------------------------------------------------------- TP=2 / TP=4 under torchrun

@@ -23,40 +23,50 @@ from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, separable_divergen
 class SeparableVocabDivergence(VocabDivergence):
     """Base of the full-vocabulary measures: subclasses implement ``pointwise``.
 
-    ``chunk_size``: token rows per chunk (None: about 2^19 logits per chunk).
+    ``chunk_size``: token rows per chunk (None: about 2^22 logits per chunk); each chunk costs
+    two collectives and holds 4 x chunk x V/TP floats of buffers.
     """
+
+    uses_log_probs = False
+    """Whether ``pointwise`` reads a = log p and b = log q (else both are None)."""
+    tile_elements = CHUNK_ELEMENTS
+    """Logits per ``pointwise`` call (its temporaries should stay in cache)."""
 
     def __init__(self, chunk_size: int | None = None):
         super().__init__()
         self.chunk_size = chunk_size
 
-    def pointwise(self, a, b, p, q, value: bool, base_grad: bool):
-        """(f or None, df/da, df/db or None) elementwise, a = log p, b = log q; chunks
-        [rows, V_valid]; f only with ``value``, df/db only with ``base_grad``."""
+    def pointwise(self, a, b, p, q, grad: bool, base_grad: bool):
+        """(f, df/da, df/db) elementwise, a = log p, b = log q, on chunks [rows, V_valid];
+        df/da only with ``grad``, df/db only with ``base_grad`` (else None). The caller may
+        modify the returned df/da, df/db in place."""
         raise NotImplementedError
 
     def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
-        return separable_divergence(self.pointwise, logits, logits_base, group, vocab_start,
-                                    vocab_size, self.chunk_size)
+        return separable_divergence(self, logits, logits_base, group, vocab_start, vocab_size,
+                                    self.chunk_size)
 
 
 @register_divergence("full_kl")
 class FullKL(SeparableVocabDivergence):
     """KL(p || q) = sum_v p_v (a_v - b_v): f = p (a - b), df/da = p (a - b + 1), df/db = -p."""
 
-    def pointwise(self, a, b, p, q, value, base_grad):
+    uses_log_probs = True
+
+    def pointwise(self, a, b, p, q, grad, base_grad):
         f = p * (a - b)
-        return f, f + p, (-p if base_grad else None)
+        return f, (f + p if grad else None), (-p if base_grad else None)
 
 
 @register_divergence("full_prob_l2")
 class FullProbL2(SeparableVocabDivergence):
     """sum_v (p_v - q_v)^2: f = (p - q)^2, df/da = 2 (p - q) p, df/db = -2 (p - q) q."""
 
-    def pointwise(self, a, b, p, q, value, base_grad):
+    def pointwise(self, a, b, p, q, grad, base_grad):
         diff = p - q
-        two_diff = 2 * diff
-        return (diff * diff if value else None), two_diff * p, (-two_diff * q if base_grad else None)
+        two_diff = diff + diff
+        return (diff * diff, (two_diff * p if grad else None),
+                (two_diff.mul_(q).neg_() if base_grad else None))
 
 
 @register_divergence("full_mirror")
@@ -66,26 +76,21 @@ class FullMirrorBregman(SeparableVocabDivergence):
     With p~ = max(p, 1e-10) (likewise q~): f = h(p~) - h(q~) - h'(q~)(p~ - q~),
     df/da = p [p > 1e-10] (h'(p~) - h'(q~)),  df/db = -q [q > 1e-10] h''(q~) (p~ - q~).
     Every vocabulary entry evaluates the 126 neurons, so this costs far more than full_prob_l2;
-    the default chunk is 21x smaller to bound the [rows, V, 21] neuron temporaries.
+    its tiles are 21x smaller to bound the [rows, V, 21] neuron temporaries.
     """
+
+    tile_elements = CHUNK_ELEMENTS // NEURONS_PER_GROUP
 
     def __init__(self, mirror_map: NeuralMirrorMap | None = None, chunk_size: int | None = None):
         super().__init__(chunk_size)
         self.mirror_map = mirror_map if mirror_map is not None else NeuralMirrorMap()
 
-    def pointwise(self, a, b, p, q, value, base_grad):
+    def pointwise(self, a, b, p, q, grad, base_grad):
         p_c, q_c = p.clamp_min(PROB_FLOOR), q.clamp_min(PROB_FLOOR)
-        h_p, slope_p, _ = self.mirror_map.terms(p_c, value=value, curvature=False)
-        h_q, slope_q, curv_q = self.mirror_map.terms(q_c, value=value, curvature=base_grad)
+        h_p, slope_p, _ = self.mirror_map.terms(p_c, slope=grad, curvature=False)
+        h_q, slope_q, curv_q = self.mirror_map.terms(q_c, curvature=base_grad)
         diff = p_c - q_c
-        f = h_p - h_q - slope_q * diff if value else None
-        f_a = torch.where(p > PROB_FLOOR, p * (slope_p - slope_q), 0.0)
+        f = h_p - h_q - slope_q * diff
+        f_a = torch.where(p > PROB_FLOOR, p * (slope_p - slope_q), 0.0) if grad else None
         f_b = torch.where(q > PROB_FLOOR, -q * curv_q * diff, 0.0) if base_grad else None
         return f, f_a, f_b
-
-    def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
-        chunk = self.chunk_size
-        if chunk is None:
-            chunk = max(1, CHUNK_ELEMENTS // (NEURONS_PER_GROUP * logits.shape[-1]))
-        return separable_divergence(self.pointwise, logits, logits_base, group, vocab_start,
-                                    vocab_size, chunk)

@@ -26,21 +26,17 @@ for float64 logits), and each logsumexp subtracts the maximum first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-# Default chunk: about 2^19 logits (2 MiB in float32) per chunk, a few temporaries of which fit in
-# a CPU core's L2/L3 cache; on GPUs a larger chunk (e.g. 1024 tokens) amortises kernel launches.
-CHUNK_ELEMENTS = 1 << 19
-
-# pointwise(a, b, p, q, value, base_grad) -> (f, F, G) for a separable divergence
-# D = sum_v f(a_v, b_v), a = log p, b = log q (chunks [rows, V_valid]); F = df/da and G = df/db;
-# f is None unless ``value`` (the backward needs only F, G), G None unless ``base_grad``.
-Pointwise = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, bool],
-                     tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]]
-
+# Log-prob / entropy chunks and divergence tiles: about 2^17 logits (512 KiB in float32), so that
+# a chunk's few temporaries stay in a CPU core's cache between the elementwise ops.
+CHUNK_ELEMENTS = 1 << 17
+# Divergence chunks: about 2^22 logits. Each costs two collectives (latency) and holds p, q and
+# the per-logit derivatives of its rows (4 x 16 MiB in float32 at this size).
+DIVERGENCE_CHUNK_ELEMENTS = 1 << 22
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -53,11 +49,11 @@ class VocabShard:
 
     @staticmethod
     def of(logits: torch.Tensor, group=None, vocab_start: int = 0, vocab_size: int | None = None,
-           chunk_size: int | None = None) -> "VocabShard":
+           chunk_size: int | None = None, default_elements: int = CHUNK_ELEMENTS) -> "VocabShard":
         width = logits.shape[-1]
         valid = width if vocab_size is None else max(0, min(width, vocab_size - vocab_start))
         if chunk_size is None:
-            chunk_size = max(1, CHUNK_ELEMENTS // max(valid, 1))
+            chunk_size = rows_per(default_elements, valid)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if group is not None and dist.get_world_size(group) == 1:
@@ -67,6 +63,11 @@ class VocabShard:
     def chunks(self, rows: int):
         for i in range(0, rows, self.chunk_size):
             yield slice(i, min(i + self.chunk_size, rows))
+
+
+def rows_per(elements: int, width: int) -> int:
+    """Rows of ``width`` columns in about ``elements`` entries (at least one)."""
+    return max(1, elements // max(width, 1))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -223,15 +224,80 @@ def entropy(logits: torch.Tensor, group=None, vocab_start: int = 0,
     return _LogProbEntropy.apply(logits, None, shard, True, inplace_backward)
 
 
-def _log_normalisers(z: torch.Tensor, z_base: torch.Tensor, shard: VocabShard, dtype):
-    """Global logsumexp over the vocabulary of both logit shards: two [N] tensors."""
-    m, s, _ = _local_exp_sums(z, shard, dtype, with_dot=False)
-    m_b, s_b, _ = _local_exp_sums(z_base, shard, dtype, with_dot=False)
-    m = torch.stack([m, m_b])                               # [2, N]
-    big_m = _global_max(m, shard.group)
-    sums = _all_reduce(torch.stack([s, s_b]) * torch.exp(m - big_m), dist.ReduceOp.SUM, shard.group)
-    log_z = big_m + torch.log(sums)
-    return log_z[0], log_z[1]
+def _global_logsumexp(lse: torch.Tensor, group) -> torch.Tensor:
+    """logsumexp over ranks of per-rank logsumexps lse [k, B] -> [k, B] (one all_gather)."""
+    if group is None:
+        return lse
+    parts = [torch.empty_like(lse) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, lse.contiguous(), group=group)
+    return torch.logsumexp(torch.stack(parts), dim=0)
+
+
+def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, want: bool,
+                     want_base: bool):
+    """Per-token D [N] and the per-token gradients dD/dz [N, V/TP], dD/dz_b (None unless
+    wanted) of the shards z, z_b [N, V/TP].
+
+    Per chunk of rows, in cache-sized tiles: (1) shard softmax of both logits into chunk buffers
+    p, q and the shard logsumexps; one all_gather of those gives the global ones; (2) rescale
+    p, q to the global softmax, f/F/G per logit, row sums; one all-reduce of the sums;
+    (3) gradients F - p sum F and G - q sum G. Two collectives per chunk, two exps per logit.
+    """
+    dtype = _compute_dtype(z.dtype)
+    valid = shard.valid
+    grads = [torch.empty_like(x) if w else None for x, w in ((z, want), (z_b, want_base))]
+    for grad in grads:
+        if grad is not None:
+            grad[:, valid:] = 0                                 # padding columns
+    values = torch.zeros(z.shape[0], dtype=dtype)
+    tile = rows_per(measure.tile_elements, valid)
+    # chunk buffers, allocated once (fresh pages cost a page fault each on first touch)
+    rows = min(shard.chunk_size, z.shape[0])
+    p_buf, q_buf = (torch.empty(rows, valid, dtype=dtype) for _ in range(2))
+    f_a_buf = torch.empty(rows, valid, dtype=dtype) if want else None
+    f_b_buf = torch.empty(rows, valid, dtype=dtype) if want_base else None
+    for rs in shard.chunks(z.shape[0]):
+        n = rs.stop - rs.start
+        tiles = [(slice(i, min(i + tile, n)), slice(rs.start + i, min(rs.start + i + tile, rs.stop)))
+                 for i in range(0, n, tile)]                    # (chunk rows, global rows)
+        local = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype)   # no mass: padding only
+        p, q = p_buf[:n], q_buf[:n]
+        for t, g in tiles:
+            for k, (buf, src) in enumerate(((p, z), (q, z_b))):
+                if valid > 0:
+                    c = src[g, :valid].to(dtype)
+                    torch.ops.aten._softmax.out(c, -1, False, out=buf[t])   # fused, no copy
+                    # the largest entry of a softmax is 1 / sum e^(c - max): lse without more exps
+                    local[k, t] = c.amax(dim=-1) - torch.log(buf[t].amax(dim=-1))
+        total = _global_logsumexp(local, shard.group)
+        sums = torch.zeros(3, n, dtype=dtype)                   # row sums of f, F, G
+        scale = torch.exp(local - total).unsqueeze(-1)          # shard -> global softmax, [2, n, 1]
+        for t, g in tiles:
+            if valid == 0:
+                break
+            p_t, q_t = p[t].mul_(scale[0, t]), q[t].mul_(scale[1, t])
+            a = b = None
+            if measure.uses_log_probs:
+                a = z[g, :valid].to(dtype) - total[0, t].unsqueeze(1)
+                b = z_b[g, :valid].to(dtype) - total[1, t].unsqueeze(1)
+            f, f_a, f_b = measure.pointwise(a, b, p_t, q_t, want, want_base)
+            sums[0, t] = f.sum(dim=-1)
+            if want:
+                sums[1, t] = f_a.sum(dim=-1)
+                f_a_buf[t] = f_a
+            if want_base:
+                sums[2, t] = f_b.sum(dim=-1)
+                f_b_buf[t] = f_b
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
+        values[rs] = sums[0]
+        for t, g in tiles:
+            if valid == 0:
+                break
+            if want:
+                grads[0][g, :valid] = f_a_buf[t].sub_(p[t].mul_(sums[1, t].unsqueeze(1)))
+            if want_base:
+                grads[1][g, :valid] = f_b_buf[t].sub_(q[t].mul_(sums[2, t].unsqueeze(1)))
+    return values, grads
 
 
 class _SeparableDivergence(torch.autograd.Function):
@@ -239,66 +305,62 @@ class _SeparableDivergence(torch.autograd.Function):
 
     With F = df/da and G = df/db at each column (a = log p, b = log q), d a_v / d z_k = [v = k] - p_k
     gives the gradients
-        dD/dz_k = F_k - p_k sum_v F_v,     dD/dz^base_k = G_k - q_k sum_v G_v,
-    whose per-token sums are all-reduced in the forward pass (they do not depend on the upstream
-    gradient), so the backward needs no communication.
+        dD/dz_k = F_k - p_k sum_v F_v,     dD/dz^base_k = G_k - q_k sum_v G_v.
+    D is a loss term (all that follows is a per-token weight g), so the forward writes these
+    per-token gradients into the gradient buffers while p and q are at hand, and the backward
+    scales rows by g in place: two exps per logit in all, where a recomputing backward needs
+    four. The buffers exist only for inputs that require grad (compute metrics under no_grad).
+    A second backward through the same graph (retain_graph, gradcheck) finds the buffers
+    consumed and recomputes them from the logits, provided those were not modified since.
     """
 
     @staticmethod
-    def forward(ctx, logits, logits_base, pointwise: Pointwise, shard: VocabShard):
+    def forward(ctx, logits, logits_base, measure: "SeparableMeasure", shard: VocabShard):
         if logits.shape != logits_base.shape:
             raise ValueError(f"logits {tuple(logits.shape)} and logits_base "
                              f"{tuple(logits_base.shape)} differ in shape")
-        z = logits.reshape(-1, logits.shape[-1])
+        z = logits.reshape(-1, logits.shape[-1])                # [N, V/TP]
         z_b = logits_base.reshape(-1, logits_base.shape[-1])
-        dtype = _compute_dtype(z.dtype)
-        base_grad = ctx.needs_input_grad[1]
-        log_z, log_z_b = _log_normalisers(z, z_b, shard, dtype)
-        sums = torch.zeros(3, z.shape[0], dtype=dtype)      # sum_v f, sum_v F, sum_v G
-        if shard.valid > 0:
-            for rs in shard.chunks(z.shape[0]):
-                a = z[rs, :shard.valid].to(dtype) - log_z[rs].unsqueeze(1)
-                b = z_b[rs, :shard.valid].to(dtype) - log_z_b[rs].unsqueeze(1)
-                f, f_a, f_b = pointwise(a, b, torch.exp(a), torch.exp(b), True, base_grad)
-                sums[0, rs] = f.sum(dim=-1)
-                sums[1, rs] = f_a.sum(dim=-1)
-                if base_grad:
-                    sums[2, rs] = f_b.sum(dim=-1)
-        sums = _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
-        ctx.pointwise, ctx.shard = pointwise, shard
-        ctx.save_for_backward(logits, logits_base, log_z, log_z_b, sums[1], sums[2])
-        return sums[0].reshape(logits.shape[:-1])
+        values, ctx.grads = _divergence_pass(z, z_b, measure, shard, *ctx.needs_input_grad[:2])
+        # Not save_for_backward: the fast path never reads the logits, and an in-place backward of
+        # another function on the same logits (log_probs_and_entropy) must not trip the check.
+        ctx.inputs = (z, z_b, logits._version, logits_base._version)
+        ctx.measure, ctx.shard, ctx.shapes = measure, shard, (logits.shape, logits_base.shape)
+        return values.reshape(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, g):
-        logits, logits_base, log_z, log_z_b, sum_f_a, sum_f_b = ctx.saved_tensors
-        shard, pointwise = ctx.shard, ctx.pointwise
-        want, want_base = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        z = logits.reshape(-1, logits.shape[-1])
-        z_b = logits_base.reshape(-1, logits_base.shape[-1])
-        dtype = log_z.dtype
-        g = g.reshape(-1, 1).to(dtype)
-        with torch.no_grad():
-            grad = torch.zeros_like(z) if want else None      # padding columns stay 0
-            grad_b = torch.zeros_like(z_b) if want_base else None
-            if shard.valid > 0:
-                for rs in shard.chunks(z.shape[0]):
-                    a = z[rs, :shard.valid].to(dtype) - log_z[rs].unsqueeze(1)
-                    b = z_b[rs, :shard.valid].to(dtype) - log_z_b[rs].unsqueeze(1)
-                    p, q = torch.exp(a), torch.exp(b)
-                    _, f_a, f_b = pointwise(a, b, p, q, False, want_base)
-                    if want:   # g (F - p sum F)
-                        grad[rs, :shard.valid] = p.mul_(-sum_f_a[rs].unsqueeze(1)).add_(f_a).mul_(g[rs])
-                    if want_base:
-                        grad_b[rs, :shard.valid] = q.mul_(-sum_f_b[rs].unsqueeze(1)).add_(f_b).mul_(g[rs])
-        return (grad.view(logits.shape) if want else None,
-                grad_b.view(logits_base.shape) if want_base else None, None, None)
+        grads = ctx.grads
+        if grads is None:
+            z, z_b, version, version_b = ctx.inputs
+            if (z._version, z_b._version) != (version, version_b):
+                raise RuntimeError("a second backward through a full-vocabulary divergence needs "
+                                   "its logits, which were modified in place after the forward")
+            grads = _divergence_pass(z, z_b, ctx.measure, ctx.shard, *ctx.needs_input_grad[:2])[1]
+        ctx.grads = None
+        scale = g.reshape(-1, 1)
+        return (*(None if grad is None else grad.mul_(scale).view(shape)
+                  for grad, shape in zip(grads, ctx.shapes)), None, None)
 
 
-def separable_divergence(pointwise: Pointwise, logits: torch.Tensor, logits_base: torch.Tensor,
+class SeparableMeasure(Protocol):
+    """What :func:`separable_divergence` needs of a measure D = sum_v f(a_v, b_v)."""
+
+    uses_log_probs: bool
+    """Whether ``pointwise`` reads a = log p and b = log q (else it gets None for both)."""
+    tile_elements: int
+    """Logits per call of ``pointwise`` (its temporaries should fit in cache): CHUNK_ELEMENTS."""
+
+    def pointwise(self, a, b, p, q, grad: bool, base_grad: bool):
+        """(f, df/da, df/db) elementwise on a chunk [rows, V_valid]; df/da only with ``grad``,
+        df/db only with ``base_grad`` (else None). The caller may modify df/da, df/db in place."""
+
+
+def separable_divergence(measure: SeparableMeasure, logits: torch.Tensor, logits_base: torch.Tensor,
                          group=None, vocab_start: int = 0, vocab_size: int | None = None,
                          chunk_size: int | None = None) -> torch.Tensor:
     """sum_v f(log p_v, log q_v) per token ([...]) from logit shards [..., V/TP] of the current
     (p) and base (q) policies; gradients flow to both (the base's only if it requires grad)."""
-    shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size)
-    return _SeparableDivergence.apply(logits, logits_base, pointwise, shard)
+    shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size,
+                          DIVERGENCE_CHUNK_ELEMENTS)
+    return _SeparableDivergence.apply(logits, logits_base, measure, shard)

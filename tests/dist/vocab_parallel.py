@@ -32,6 +32,8 @@ def _cases(chunk_size):
     for name in names_of_kind(VocabDivergence):
         torch.manual_seed(1234)     # the same mirror-map parameters on every rank and at TP=1
         measure = get_divergence(name, **c)
+        if chunk_size is not None:
+            measure.tile_elements = 1   # one row per tile: several tiles per chunk
         cases[f"divergence/{name}"] = (lambda m: lambda z, zb, t, kw: [m(z, zb, **kw)])(measure)
     return cases
 

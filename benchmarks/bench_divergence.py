@@ -1,0 +1,144 @@
+"""Time and peak memory of the divergence library's vocab-parallel losses against megatron-core's
+vocab-parallel cross entropy, on CPU with TP=2 (gloo), forward + backward, same run, same shapes.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=2 benchmarks/bench_divergence.py \
+        [--tokens 4096] [--vocab-per-rank 32000] [--dtype float32] [--trials 7]
+
+Rows (each rank holds logits [tokens, vocab/TP]; loss reduced to a scalar, then backward):
+  (a) megatron-core vocab_parallel_cross_entropy(logits, target).sum()
+  (b) megadiv log_probs_and_entropy (in-place backward, like (a)) + divergence_clip on k3 via
+      compute_policy_loss (entropy logged); "+ entropy bonus" puts H in the loss as well;
+      "out of place" keeps the logits intact and allocates the gradient
+  (c) megadiv full-vocabulary ProbL2 regulariser sum_v (p_v - q_v)^2 against a reference
+      (reference logits detached); full KL alongside for comparison
+Times: median over ``--trials`` after one warm-up, each trial the slower of the two ranks; the
+trials interleave the rows so that load changes on a shared machine hit every row alike.
+Peak memory: torch.profiler(profile_memory=True) records every CPU-allocator allocation and free
+with a timestamp; the peak is the largest running sum of those during forward + backward, plus
+the bytes of the inputs that exist before it (logits, reference logits). This counts temporaries
+inside kernels too, and is exact and repeatable, unlike process RSS. Ratios are to (a).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from megadiv.divergence import vocab_parallel as vp
+from megadiv.divergence.losses import PolicyLossConfig, compute_policy_loss
+from megadiv.divergence.registry import get_divergence
+
+
+def peak_allocated_bytes(step) -> int:
+    """Largest running sum of CPU allocations minus frees while ``step()`` runs."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--vocab-per-rank", type=int, default=32000)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--divergence-chunk", type=int, default=None,
+                        help="token rows per chunk of the full-vocabulary measures (default: library's)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+
+    tokens, width, dtype = args.tokens, args.vocab_per_rank, getattr(torch, args.dtype)
+    vocab = width * tp
+    g = torch.Generator().manual_seed(rank)
+    logits0 = (3 * torch.randn(tokens, width, generator=g)).to(dtype)
+    ref_logits = (logits0.float() + 0.1 * torch.randn(tokens, width, generator=g)).to(dtype)
+    target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7))
+    seqs = max(1, tokens // 512)                      # [seqs, tokens / seqs] for the policy loss
+    shape = (seqs, tokens // seqs)
+    advantages = torch.randn(seqs, generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(shape)
+    cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.02)
+    shard = dict(group=group, vocab_start=rank * width, vocab_size=vocab)
+    prob_l2 = get_divergence("full_prob_l2", chunk_size=args.divergence_chunk)
+    full_kl = get_divergence("full_kl", chunk_size=args.divergence_chunk)
+    logp_old = None
+
+    def megatron_ce(z):
+        # megatron's layout is [seq, batch, vocab/TP]; it overwrites z with softmax, then grad
+        return vocab_parallel_cross_entropy(z.view(*shape[::-1], width), target.view(*shape[::-1])).sum()
+
+    def megadiv_k3(entropy_bonus: float, inplace: bool):
+        def loss(z):
+            lp, ent = vp.log_probs_and_entropy(z, target, **shard, inplace_backward=inplace)
+            lp, ent = lp.view(shape), ent.view(shape)
+            value, _ = compute_policy_loss(cfg, lp, logp_old, advantages, mask, entropy=ent.detach())
+            return value - entropy_bonus * ent.mean() if entropy_bonus else value
+        return loss
+
+    def regulariser(measure):
+        return lambda z: measure(z, ref_logits, **shard).mean()
+
+    with torch.no_grad():     # logp_old: the policy before the update, a little off the current one
+        logp_old = (vp.log_probs(logits0, target, **shard) + 0.01).view(shape)
+
+    rows = [
+        ("(a) megatron vocab_parallel_cross_entropy", megatron_ce, 1),
+        ("(b) megadiv log-prob + entropy + k3-clip", megadiv_k3(0.0, True), 1),
+        ("    ... + entropy bonus (grad through H)", megadiv_k3(1e-3, True), 1),
+        ("    ... out of place (logits kept)", megadiv_k3(0.0, False), 1),
+        ("(c) megadiv full-vocab ProbL2 regulariser", regulariser(prob_l2), 2),
+        ("    full-vocab KL(pi || ref) regulariser", regulariser(full_kl), 2),
+    ]
+
+    def one_step(loss_fn):
+        z = logits0.clone().requires_grad_()          # fresh: (a) and in-place (b) consume it
+        dist.barrier(group)
+        start = time.perf_counter()
+        loss_fn(z).backward()
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        return float(elapsed)
+
+    # Trials interleave the rows, so that a load change on a shared machine hits all alike.
+    times = {label: [] for label, _, _ in rows}
+    for trial in range(args.trials + 1):                # trial 0 is the warm-up
+        for label, loss_fn, _ in rows:
+            elapsed = one_step(loss_fn)
+            if trial:
+                times[label].append(elapsed)
+    results = []
+    for label, loss_fn, n_inputs in rows:
+        z = logits0.clone().requires_grad_()
+        peak = n_inputs * z.nbytes + peak_allocated_bytes(lambda: loss_fn(z).backward())
+        results.append((label, statistics.median(times[label]), peak))
+
+    if rank == 0:
+        base_t, base_m = results[0][1], results[0][2]
+        print(f"TP={tp}, {tokens} tokens x {width} vocab per rank ({vocab} in all), {args.dtype} "
+              f"logits, {args.trials} trials, 1 thread per rank")
+        print(f"{'':44s} {'time s':>8s} {'x (a)':>6s} {'peak MiB':>9s} {'x (a)':>6s}")
+        for label, t, m in results:
+            print(f"{label:44s} {t:8.3f} {t / base_t:6.2f} {m / 2**20:9.0f} {m / base_m:6.2f}")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
