@@ -56,7 +56,8 @@ class EmbeddedEngine:
         greedy = params.temperature == 0
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=not greedy,
-            temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy or params.top_p == 1.0 else params.top_p,  # None: no top-p warper (a sort per step)
             top_k=None if greedy or params.top_k == -1 else params.top_k,  # None: no top-k warper
             eos_token_id=sorted(stop), pad_token_id=self._pad,
             output_logits=True, return_dict_in_generate=True)

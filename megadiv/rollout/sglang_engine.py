@@ -16,8 +16,8 @@ A weight sync (update_weights) sends every bucket to every server, by one of thr
 - disk: one safetensors file per bucket in a fresh directory, then ``/update_weights_from_disk``.
 
 distributed and tensor run inside SGLang's ``/begin_weight_update`` .. ``/end_weight_update``
-session (required by 0.5.23); then the radix cache is flushed (its KV came from the old weights)
-and the servers' weight version is set. Each step has a timeout; a refusal or a dead server raises
+session (required by 0.5.23). Every update request flushes the radix cache (its KV came from the
+old weights; the server refuses if requests are running), and the weight version is set last. Each step has a timeout; a refusal or a dead server raises
 WeightSyncError naming the server and the version, and the session is closed again.
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ class SGLangEngine:
                 if method == "distributed":
                     self._push_distributed(bucket, at)
                 elif method == "tensor":
-                    payload = {"load_format": None, "flush_cache": False}
+                    payload = {"load_format": None, "flush_cache": True}
                     for p in self._peers:  # one payload per TP rank: each opens its own handles once
                         self._call([p.url], "/update_weights_from_tensor", dict(
                             payload, serialized_named_tensors=[serialize_bucket(bucket) for _ in range(p.tp_size)]))
@@ -159,12 +159,11 @@ class SGLangEngine:
                 n_buckets, n_tensors = n_buckets + 1, n_tensors + len(bucket)
                 n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             if method == "disk":
-                self._call_all("/update_weights_from_disk", {"model_path": str(target), "flush_cache": False})
+                self._call_all("/update_weights_from_disk", {"model_path": str(target), "flush_cache": True})
                 self._drop_old_sync_dir(target)
             if session:
                 self._call_all("/end_weight_update", {})
                 session = False
-            self._call_all("/flush_cache", {})
             self._call_all("/update_weight_version", {"new_version": version, "abort_all_requests": False})
         except (RolloutError, OSError) as e:
             if session:  # leave the servers usable: a session left open refuses the next begin
@@ -188,7 +187,7 @@ class SGLangEngine:
         flat, fields = flatten_bucket(bucket)
         if flat.device.type != ("cuda" if self._group.backend == "nccl" else "cpu"):
             flat = flat.to("cuda" if self._group.backend == "nccl" else "cpu")
-        payload = dict(fields, group_name=self._group.name, flush_cache=False)
+        payload = dict(fields, group_name=self._group.name, flush_cache=True)
         futures = [(u, self._pool.submit(post, u, "/update_weights_from_distributed", payload, self.cfg.sync_timeout_s))
                    for u in self.urls]
         self._group.broadcast(flat, futures, where)

@@ -14,7 +14,6 @@ torchvision and the one sgl_kernel op a dense model calls); the trainer process 
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import logging
 import os
@@ -82,9 +81,9 @@ class SGLangServer:
 
     def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, grace_s: float):
         self.proc, self.url, self.log_path, self.grace_s = proc, url, log_path, grace_s
-        # stop at interpreter exit unless stopped before; the finalizer holds no reference to self
+        # runs once: on stop(), when garbage-collected, or at interpreter exit (weakref.finalize
+        # registers itself with atexit); it holds no reference to self
         self._finalizer = weakref.finalize(self, _kill_group, proc, grace_s)
-        atexit.register(self._finalizer)
 
     @classmethod
     def launch(cls, hf_dir: str, cfg: RolloutConfig) -> SGLangServer:
@@ -171,9 +170,13 @@ def live_group_members(pgid: int) -> list[int]:
     return live
 
 
+# libc is loaded here, in the parent: the child between fork and exec should only make the call
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def _term_on_parent_death() -> None:
     """In the child before exec: SIGTERM when the launching thread dies (Linux prctl), so a
     trainer killed with SIGKILL does not leave a server behind."""
-    if sys.platform.startswith("linux"):
+    if _LIBC is not None:
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
