@@ -1,8 +1,9 @@
 """Time and peak memory of the divergence library's vocab-parallel losses against megatron-core's
 vocab-parallel cross entropy, on CPU with TP=2 (gloo), forward + backward, same run, same shapes.
 
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=2 benchmarks/bench_divergence.py \
-        [--tokens 4096] [--vocab-per-rank 32000] [--dtype float32] [--trials 7]
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=2 \
+        benchmarks/bench_divergence.py [--tokens 4096] [--vocab-per-rank 32000] \
+        [--dtype float32] [--trials 7] [--divergence-chunk ROWS]
 
 Rows (each rank holds logits [tokens, vocab/TP]; loss reduced to a scalar, then backward):
   (a) megatron-core vocab_parallel_cross_entropy(logits, target).sum()
@@ -10,9 +11,13 @@ Rows (each rank holds logits [tokens, vocab/TP]; loss reduced to a scalar, then 
       compute_policy_loss (entropy logged); "+ entropy bonus" puts H in the loss as well;
       "out of place" keeps the logits intact and allocates the gradient
   (c) megadiv full-vocabulary ProbL2 regulariser sum_v (p_v - q_v)^2 against a reference
-      (reference logits detached); full KL alongside for comparison
-Times: median over ``--trials`` after one warm-up, each trial the slower of the two ranks; the
-trials interleave the rows so that load changes on a shared machine hit every row alike.
+      (reference logits detached); "in the reference's storage" uses consume_base=True (the
+      reference logits serve nothing else, so their memory takes the gradient, the way (a)
+      reuses its input); full KL alongside for comparison
+Times: wall clock and process CPU time, median over ``--trials`` after one warm-up, each trial
+the larger of the two ranks'; the trials interleave the rows so that load changes on a shared
+machine hit every row alike. On a loaded machine CPU time is the steadier figure (waiting for
+a descheduled peer rank shows in wall time only); the load average is printed.
 Peak memory: torch.profiler(profile_memory=True) records every CPU-allocator allocation and free
 with a timestamp; the peak is the largest running sum of those during forward + backward, plus
 the bytes of the inputs that exist before it (logits, reference logits). This counts temporaries
@@ -21,6 +26,7 @@ inside kernels too, and is exact and repeatable, unlike process RSS. Ratios are 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -76,24 +82,23 @@ def main() -> None:
     mask = torch.ones(shape)
     cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.02)
     shard = dict(group=group, vocab_start=rank * width, vocab_size=vocab)
-    prob_l2 = get_divergence("full_prob_l2", chunk_size=args.divergence_chunk)
-    full_kl = get_divergence("full_kl", chunk_size=args.divergence_chunk)
     logp_old = None
 
-    def megatron_ce(z):
+    def megatron_ce(z, _):
         # megatron's layout is [seq, batch, vocab/TP]; it overwrites z with softmax, then grad
         return vocab_parallel_cross_entropy(z.view(*shape[::-1], width), target.view(*shape[::-1])).sum()
 
     def megadiv_k3(entropy_bonus: float, inplace: bool):
-        def loss(z):
+        def loss(z, _):
             lp, ent = vp.log_probs_and_entropy(z, target, **shard, inplace_backward=inplace)
             lp, ent = lp.view(shape), ent.view(shape)
             value, _ = compute_policy_loss(cfg, lp, logp_old, advantages, mask, entropy=ent.detach())
             return value - entropy_bonus * ent.mean() if entropy_bonus else value
         return loss
 
-    def regulariser(measure):
-        return lambda z: measure(z, ref_logits, **shard).mean()
+    def regulariser(name: str, consume_base: bool = False):
+        measure = get_divergence(name, chunk_size=args.divergence_chunk, consume_base=consume_base)
+        return lambda z, ref: measure(z, ref, **shard).mean()
 
     with torch.no_grad():     # logp_old: the policy before the update, a little off the current one
         logp_old = (vp.log_probs(logits0, target, **shard) + 0.01).view(shape)
@@ -103,18 +108,22 @@ def main() -> None:
         ("(b) megadiv log-prob + entropy + k3-clip", megadiv_k3(0.0, True), 1),
         ("    ... + entropy bonus (grad through H)", megadiv_k3(1e-3, True), 1),
         ("    ... out of place (logits kept)", megadiv_k3(0.0, False), 1),
-        ("(c) megadiv full-vocab ProbL2 regulariser", regulariser(prob_l2), 2),
-        ("    full-vocab KL(pi || ref) regulariser", regulariser(full_kl), 2),
+        ("(c) megadiv full-vocab ProbL2 regulariser", regulariser("full_prob_l2"), 2),
+        ("    ... gradient in the reference's storage", regulariser("full_prob_l2", True), 2),
+        ("    full-vocab KL(pi || ref) regulariser", regulariser("full_kl"), 2),
     ]
 
     def one_step(loss_fn):
-        z = logits0.clone().requires_grad_()          # fresh: (a) and in-place (b) consume it
+        """(wall, cpu) seconds of forward + backward, each the larger of the two ranks'."""
+        # fresh copies: (a), in-place (b) and consume_base (c) overwrite them
+        z, ref = logits0.clone().requires_grad_(), ref_logits.clone()
         dist.barrier(group)
-        start = time.perf_counter()
-        loss_fn(z).backward()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        wall, cpu = time.perf_counter(), time.process_time()
+        loss_fn(z, ref).backward()
+        elapsed = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu],
+                               dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        return float(elapsed)
+        return elapsed.tolist()
 
     # Trials interleave the rows, so that a load change on a shared machine hits all alike.
     times = {label: [] for label, _, _ in rows}
@@ -125,17 +134,21 @@ def main() -> None:
                 times[label].append(elapsed)
     results = []
     for label, loss_fn, n_inputs in rows:
-        z = logits0.clone().requires_grad_()
-        peak = n_inputs * z.nbytes + peak_allocated_bytes(lambda: loss_fn(z).backward())
-        results.append((label, statistics.median(times[label]), peak))
+        z, ref = logits0.clone().requires_grad_(), ref_logits.clone()
+        peak = n_inputs * z.nbytes + peak_allocated_bytes(lambda: loss_fn(z, ref).backward())
+        wall, cpu = (statistics.median(t[i] for t in times[label]) for i in (0, 1))
+        results.append((label, wall, cpu, peak))
 
     if rank == 0:
-        base_t, base_m = results[0][1], results[0][2]
+        _, base_w, base_c, base_m = results[0]
         print(f"TP={tp}, {tokens} tokens x {width} vocab per rank ({vocab} in all), {args.dtype} "
-              f"logits, {args.trials} trials, 1 thread per rank")
-        print(f"{'':44s} {'time s':>8s} {'x (a)':>6s} {'peak MiB':>9s} {'x (a)':>6s}")
-        for label, t, m in results:
-            print(f"{label:44s} {t:8.3f} {t / base_t:6.2f} {m / 2**20:9.0f} {m / base_m:6.2f}")
+              f"logits, median of {args.trials} trials, 1 thread per rank, "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(f"{'':44s} {'wall s':>7s} {'x (a)':>6s} {'cpu s':>7s} {'x (a)':>6s} "
+              f"{'peak MiB':>9s} {'x (a)':>6s}")
+        for label, w, c, m in results:
+            print(f"{label:44s} {w:7.3f} {w / base_w:6.2f} {c:7.3f} {c / base_c:6.2f} "
+                  f"{m / 2**20:9.0f} {m / base_m:6.2f}")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -121,6 +121,26 @@ def test_full_vocab_chunks_and_tiles_do_not_change_the_result(name):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("name", VOCAB_MEASURES)
+def test_consume_base_reuses_the_reference_storage(name):
+    z, zb, _ = logits(tokens=5, lead=(2,))
+    torch.manual_seed(0)
+    plain = get_divergence(name)
+    torch.manual_seed(0)
+    consuming = get_divergence(name, consume_base=True, chunk_size=3)
+    x, y = z.clone().requires_grad_(), z.clone().requires_grad_()
+    ref = zb.clone()
+    want = plain(x, zb, vocab_size=13)
+    got = consuming(y, ref, vocab_size=13)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(y.grad, x.grad, rtol=0, atol=1e-15)
+    assert y.grad.data_ptr() == ref.data_ptr()            # no new [tokens, vocab] buffer
+    with pytest.raises(ValueError, match="consume_base"):
+        consuming(y, zb.clone().requires_grad_())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_logits_reduce_in_float32(dtype):
     z, zb, t = logits(tokens=8, vocab=500, padded=512, dtype=dtype)
@@ -211,7 +231,8 @@ def parity(request):
 def test_tp_parity_covers_every_primitive_and_measure(parity):
     cases = {name for (_, _, name) in parity[0]["figures"]}
     expected = {"log_probs", "entropy", "log_probs_and_entropy", "log_probs_and_entropy/inplace",
-                "naive_all_reduce_entropy"} | {f"divergence/{n}" for n in VOCAB_MEASURES}
+                "naive_all_reduce_entropy"} | {f"{kind}/{n}" for n in VOCAB_MEASURES
+                                               for kind in ("divergence", "consume_base")}
     assert cases == expected
     assert {(d, v) for (d, v, _) in parity[0]["figures"]} == {
         (d, v) for d in TOLERANCE for v in (1000, 1001, 700)}

@@ -24,7 +24,8 @@ class SeparableVocabDivergence(VocabDivergence):
     """Base of the full-vocabulary measures: subclasses implement ``pointwise``.
 
     ``chunk_size``: token rows per chunk (None: about 2^22 logits per chunk); each chunk costs
-    two collectives and holds 4 x chunk x V/TP floats of buffers.
+    two collectives and holds 4 x chunk x V/TP floats of buffers. ``consume_base``: write the
+    gradient into the base logits' storage, destroying them (see ``separable_divergence``).
     """
 
     uses_log_probs = False
@@ -32,9 +33,9 @@ class SeparableVocabDivergence(VocabDivergence):
     tile_elements = CHUNK_ELEMENTS
     """Logits per ``pointwise`` call (its temporaries should stay in cache)."""
 
-    def __init__(self, chunk_size: int | None = None):
+    def __init__(self, chunk_size: int | None = None, consume_base: bool = False):
         super().__init__()
-        self.chunk_size = chunk_size
+        self.chunk_size, self.consume_base = chunk_size, consume_base
 
     def pointwise(self, a, b, p, q, grad: bool, base_grad: bool):
         """(f, df/da, df/db) elementwise, a = log p, b = log q, on chunks [rows, V_valid];
@@ -44,7 +45,7 @@ class SeparableVocabDivergence(VocabDivergence):
 
     def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
         return separable_divergence(self, logits, logits_base, group, vocab_start, vocab_size,
-                                    self.chunk_size)
+                                    self.chunk_size, self.consume_base)
 
 
 @register_divergence("full_kl")
@@ -81,8 +82,9 @@ class FullMirrorBregman(SeparableVocabDivergence):
 
     tile_elements = CHUNK_ELEMENTS // NEURONS_PER_GROUP
 
-    def __init__(self, mirror_map: NeuralMirrorMap | None = None, chunk_size: int | None = None):
-        super().__init__(chunk_size)
+    def __init__(self, mirror_map: NeuralMirrorMap | None = None, chunk_size: int | None = None,
+                 consume_base: bool = False):
+        super().__init__(chunk_size, consume_base)
         self.mirror_map = mirror_map if mirror_map is not None else NeuralMirrorMap()
 
     def pointwise(self, a, b, p, q, grad, base_grad):

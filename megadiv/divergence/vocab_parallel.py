@@ -234,7 +234,7 @@ def _global_logsumexp(lse: torch.Tensor, group) -> torch.Tensor:
 
 
 def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, want: bool,
-                     want_base: bool):
+                     want_base: bool, consume_base: bool = False):
     """Per-token D [N] and the per-token gradients dD/dz [N, V/TP], dD/dz_b (None unless
     wanted) of the shards z, z_b [N, V/TP].
 
@@ -242,10 +242,15 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
     p, q and the shard logsumexps; one all_gather of those gives the global ones; (2) rescale
     p, q to the global softmax, f/F/G per logit, row sums; one all-reduce of the sums;
     (3) gradients F - p sum F and G - q sum G. Two collectives per chunk, two exps per logit.
+    ``consume_base``: write dD/dz into z_b's storage (each chunk's rows are read before they are
+    written), sparing a fresh [N, V/TP] buffer.
     """
     dtype = _compute_dtype(z.dtype)
     valid = shard.valid
-    grads = [torch.empty_like(x) if w else None for x, w in ((z, want), (z_b, want_base))]
+    grads = [torch.empty_like(x) if w else None for x, w in ((z, want and not consume_base),
+                                                              (z_b, want_base))]
+    if want and consume_base:
+        grads[0] = z_b
     for grad in grads:
         if grad is not None:
             grad[:, valid:] = 0                                 # padding columns
@@ -290,13 +295,14 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
                 f_b_buf[t] = f_b
         sums = _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
         values[rs] = sums[0]
+        neg_sums = -sums.unsqueeze(-1)                          # [3, n, 1]
         for t, g in tiles:
             if valid == 0:
                 break
-            if want:
-                grads[0][g, :valid] = f_a_buf[t].sub_(p[t].mul_(sums[1, t].unsqueeze(1)))
+            if want:        # F - p sum F, in one pass into the gradient
+                torch.addcmul(f_a_buf[t], p[t], neg_sums[1, t], out=grads[0][g, :valid])
             if want_base:
-                grads[1][g, :valid] = f_b_buf[t].sub_(q[t].mul_(sums[2, t].unsqueeze(1)))
+                torch.addcmul(f_b_buf[t], q[t], neg_sums[2, t], out=grads[1][g, :valid])
     return values, grads
 
 
@@ -315,13 +321,17 @@ class _SeparableDivergence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, logits_base, measure: "SeparableMeasure", shard: VocabShard):
+    def forward(ctx, logits, logits_base, measure: "SeparableMeasure", shard: VocabShard,
+                consume_base: bool):
         if logits.shape != logits_base.shape:
             raise ValueError(f"logits {tuple(logits.shape)} and logits_base "
                              f"{tuple(logits_base.shape)} differ in shape")
         z = logits.reshape(-1, logits.shape[-1])                # [N, V/TP]
         z_b = logits_base.reshape(-1, logits_base.shape[-1])
-        values, ctx.grads = _divergence_pass(z, z_b, measure, shard, *ctx.needs_input_grad[:2])
+        if consume_base and (ctx.needs_input_grad[1] or z_b.dtype != z.dtype):
+            raise ValueError("consume_base needs a base that requires no grad, of the logits' dtype")
+        values, ctx.grads = _divergence_pass(z, z_b, measure, shard, *ctx.needs_input_grad[:2],
+                                             consume_base)
         # Not save_for_backward: the fast path never reads the logits, and an in-place backward of
         # another function on the same logits (log_probs_and_entropy) must not trip the check.
         ctx.inputs = (z, z_b, logits._version, logits_base._version)
@@ -340,7 +350,7 @@ class _SeparableDivergence(torch.autograd.Function):
         ctx.grads = None
         scale = g.reshape(-1, 1)
         return (*(None if grad is None else grad.mul_(scale).view(shape)
-                  for grad, shape in zip(grads, ctx.shapes)), None, None)
+                  for grad, shape in zip(grads, ctx.shapes)), None, None, None)
 
 
 class SeparableMeasure(Protocol):
@@ -358,9 +368,14 @@ class SeparableMeasure(Protocol):
 
 def separable_divergence(measure: SeparableMeasure, logits: torch.Tensor, logits_base: torch.Tensor,
                          group=None, vocab_start: int = 0, vocab_size: int | None = None,
-                         chunk_size: int | None = None) -> torch.Tensor:
+                         chunk_size: int | None = None, consume_base: bool = False) -> torch.Tensor:
     """sum_v f(log p_v, log q_v) per token ([...]) from logit shards [..., V/TP] of the current
-    (p) and base (q) policies; gradients flow to both (the base's only if it requires grad)."""
+    (p) and base (q) policies; gradients flow to both (the base's only if it requires grad).
+
+    ``consume_base=True`` reuses the base logits' storage for the gradient of ``logits`` (their
+    values are destroyed during this call, as megatron-core's cross entropy destroys its input):
+    for a reference whose logits serve nothing else; the base must not require grad.
+    """
     shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size,
                           DIVERGENCE_CHUNK_ELEMENTS)
-    return _SeparableDivergence.apply(logits, logits_base, measure, shard)
+    return _SeparableDivergence.apply(logits, logits_base, measure, shard, consume_base)

@@ -35,6 +35,10 @@ def _cases(chunk_size):
         if chunk_size is not None:
             measure.tile_elements = 1   # one row per tile: several tiles per chunk
         cases[f"divergence/{name}"] = (lambda m: lambda z, zb, t, kw: [m(z, zb, **kw)])(measure)
+        torch.manual_seed(1234)
+        consuming = get_divergence(name, consume_base=True, **c)
+        cases[f"consume_base/{name}"] = (
+            lambda m: lambda z, zb, t, kw: [m(z, zb.detach(), **kw)])(consuming)
     return cases
 
 
