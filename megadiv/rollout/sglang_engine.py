@@ -60,6 +60,13 @@ class SGLangEngine:
             self.shutdown()
             raise
         self._peers = [Peer(u, int(i.get("tp_size", 1))) for u, i in zip(self.urls, info)]
+        if cfg.server_urls:  # a trainer that crashed mid-sync leaves the session open: begin would refuse
+            for url in self.urls:
+                try:
+                    post(url, "/end_weight_update", {}, 60.0)
+                    log.warning("closed a weight-update session left open on %s", url)
+                except RolloutError:
+                    pass  # none was open (the usual answer)
         self._manifest = read_manifest(hf_dir) if cfg.check_weight_names else None
         if cfg.check_weight_names and self._manifest is None:
             log.warning("no safetensors in %s readable here: pushed weight names are not checked", hf_dir)
