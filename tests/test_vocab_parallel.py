@@ -236,6 +236,7 @@ def test_tp_parity_covers_every_primitive_and_measure(parity):
     assert cases == expected
     assert {(d, v) for (d, v, _) in parity[0]["figures"]} == {
         (d, v) for d in TOLERANCE for v in (1000, 1001, 700)}
+    assert all(v == 1001 for (_, v, n) in parity[0]["figures"] if n.startswith(("consume", "naive")))
 
 
 def test_tp_values_and_gradients_equal_tp1(parity):
