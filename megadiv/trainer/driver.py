@@ -6,6 +6,7 @@ The other ranks never touch the engine or the reward workers; they receive the r
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 import torch
 
@@ -108,7 +109,7 @@ class RolloutDriver:
                 log.exception("while closing the rollout driver")
 
 
-def drain(buckets: "Iterable[Bucket]") -> None:  # noqa: F821
+def drain(buckets: Iterable[Bucket]) -> None:
     """Take part in a collective weight export without sending anything (ranks other than 0)."""
     for _ in buckets:
         pass
