@@ -46,8 +46,15 @@ log = logging.getLogger(__name__)
 
 class SGLangEngine:
     def __init__(self, hf_dir: str, cfg: RolloutConfig):
+        if cfg.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, cfg.server_urls))):
+            raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA and servers on "
+                             f"this machine (servers: {list(cfg.server_urls)}); use 'distributed' or 'disk'")
         self.cfg = cfg
         self.server: SGLangServer | None = None
+        self._group: BroadcastGroup | None = None
+        self._sync_root = Path(cfg.sync_dir) if cfg.sync_dir else None
+        self._last_sync_dir: Path | None = None
+        self._paused = False
         if cfg.server_urls:
             self.urls = [u.rstrip("/") for u in cfg.server_urls]
         else:
@@ -70,14 +77,6 @@ class SGLangEngine:
         self._manifest = read_manifest(hf_dir) if cfg.check_weight_names else None
         if cfg.check_weight_names and self._manifest is None:
             log.warning("no safetensors in %s readable here: pushed weight names are not checked", hf_dir)
-        self._group: BroadcastGroup | None = None
-        self._sync_root = Path(cfg.sync_dir) if cfg.sync_dir else None
-        self._last_sync_dir: Path | None = None
-        self._paused = False
-        if cfg.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, self.urls))):
-            self.shutdown()
-            raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA and servers on "
-                             f"this machine (servers: {self.urls}); use 'distributed' or 'disk'")
 
     # ------------------------------------------------------------------ generation
 
@@ -143,7 +142,7 @@ class SGLangEngine:
         where = f"weight sync to version {version!r} ({method}) on {self.urls}"
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0
-        session = False
+        session, target = False, None
         try:
             if method == "disk":
                 target = self._new_sync_dir(version)
@@ -179,6 +178,8 @@ class SGLangEngine:
                         post(url, "/end_weight_update", {}, 30.0)
                     except RolloutError:
                         pass
+            if target is not None and target != self._last_sync_dir:
+                shutil.rmtree(target, ignore_errors=True)
             raise WeightSyncError(f"{where} failed: {e}" + self._log_hint()) from None
         report = SyncReport(version, method, n_tensors, n_buckets, n_bytes, time.perf_counter() - t0)
         log.info("weight sync %s: %d tensors in %d buckets, %.1f MB in %.3f s (%.1f MB/s)", version, n_tensors,
