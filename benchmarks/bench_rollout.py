@@ -105,7 +105,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
+        return run(args, Path(tmp))
+
+
+def run(args, tmp: Path) -> int:
     hf_dir = str(make_tiny_model(tmp / "model", "qwen2", hidden=args.hidden, layers=args.layers, ffn=args.ffn,
                                  heads=8, kv_heads=4, max_positions=1024))
     from safetensors.torch import load_file
