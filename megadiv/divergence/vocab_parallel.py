@@ -349,7 +349,11 @@ class _SeparableDivergence(torch.autograd.Function):
             grads = _divergence_pass(z, z_b, ctx.measure, ctx.shard, *ctx.needs_input_grad[:2])[1]
         ctx.grads = None
         scale = g.reshape(-1, 1)
-        return (*(None if grad is None else grad.mul_(scale).view(shape)
+        for grad in grads:
+            if grad is not None:     # by chunks: a half-precision grad times a float32 scale
+                for rs in ctx.shard.chunks(grad.shape[0]):   # makes a float32 temporary
+                    grad[rs].mul_(scale[rs])
+        return (*(None if grad is None else grad.view(shape)
                   for grad, shape in zip(grads, ctx.shapes)), None, None, None)
 
 
