@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Run on every node: NNODES nodes of GPUS_PER_NODE GPUs, rendezvous at MASTER (node 0's address).
+#   MASTER=10.0.0.1 NNODES=2 bash examples/launch/multinode.sh examples/gsm8k/task.yaml \
+#       examples/gsm8k/models/qwen3-8b.yaml examples/gsm8k/algorithms/kl3.yaml model.hf_dir=/ckpt/Qwen3-8B
+set -euo pipefail
+: "${MASTER:?set MASTER to node 0's address}" "${NNODES:?set NNODES}"
+exec torchrun --nnodes "$NNODES" --nproc_per_node "${GPUS_PER_NODE:-8}" \
+    --rdzv_backend c10d --rdzv_endpoint "$MASTER:${PORT:-29500}" --rdzv_id "${RUN_ID:-megadiv}" \
+    -m megadiv.cli train "$@"
