@@ -141,6 +141,23 @@ def test_consume_base_reuses_the_reference_storage(name):
         consuming(y, zb.clone().requires_grad_())
 
 
+def test_policy_loss_and_regulariser_in_place_together():
+    """The memory-lean composition of a training loss: log-probs/entropy with an in-place
+    backward on the actor logits, plus full ProbL2 writing its gradient into the reference
+    logits; the actor's gradient equals the out-of-place one."""
+    z, zb, t = logits(tokens=7, lead=(2,))
+    up = torch.randn(2, 7, dtype=F64)
+
+    def loss(x, ref, lean):
+        lp, ent = vp.log_probs_and_entropy(x, t, vocab_size=13, inplace_backward=lean)
+        reg = get_divergence("full_prob_l2", consume_base=lean)(x, ref, vocab_size=13)
+        return ((lp + 0.1 * ent) * up).sum() + 0.5 * reg.sum()
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    loss(a, zb.clone(), False).backward()
+    loss(b, zb.clone(), True).backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_logits_reduce_in_float32(dtype):
     z, zb, t = logits(tokens=8, vocab=500, padded=512, dtype=dtype)

@@ -7,17 +7,21 @@ TP holds logits ``z`` of shape [tokens, V/TP] for global vocabulary columns
 vocabulary: every quantity is a per-token sum over the vocabulary, so each rank sums its own
 columns and one all-reduce of a [tokens] vector finishes the job.
 
-Why these are autograd Functions (docs/vocab_parallel.md): log p_t = z_t - logsumexp(z) depends
-on every column of every rank through the normaliser. A shard-local computation whose normaliser
-comes from a plain ``dist.all_reduce`` (which autograd does not see) drops the -p_v term of
-d log p_t / d z_v on every rank, and gives a zero gradient on ranks that do not own the target
-token. Here the forward does the reductions and the backward writes the exact gradient of each
-shard from the saved per-token statistics, e.g. d log p_t / d z_v = [v = t] - p_v on every rank.
+Why these are autograd Functions (docs/vocab_parallel.md): log p_t = z_t - logsumexp(z), H and
+every divergence depend on every column of every rank through the normaliser. A shard-local
+computation finished by a plain ``dist.all_reduce`` lets autograd differentiate only the local
+part: with a detached normaliser, d log p_t / d z_v loses its -p_v term and ranks that do not own
+the target token get no gradient at all; for the entropy and the divergences, whose gradients
+contain a sum over the whole vocabulary (dH/dz_k = -p_k (log p_k + H)), the gradient is wrong on
+every rank even when the normaliser carries the right value. Here the forward does the
+reductions and the backward writes the exact gradient of each shard from per-token statistics
+that are already global, e.g. d log p_t / d z_v = [v = t] - p_v on every rank.
 
-Memory: the forward keeps no [tokens, V/TP] tensor; the backward recomputes p chunk by chunk.
-Tokens are processed in chunks of ``chunk_size`` rows, small by default so that a chunk's few
-temporaries stay in the CPU cache / do not grow with the sequence. Extra peak memory is the
-gradient (or nothing, with ``inplace_backward``) plus O(chunk x V/TP).
+Memory: tokens are processed in chunks of ``chunk_size`` rows; extra memory is O(chunk x V/TP)
+plus the gradient. Log-prob/entropy keep no [tokens, V/TP] tensor for the backward, which
+recomputes p chunk by chunk (with ``inplace_backward`` the gradient overwrites the logits).
+Divergences compute their gradient in the forward, into the buffer the backward returns (with
+``consume_base``, the reference logits' storage).
 
 ``group=None`` (or a group of size 1) means the vocabulary is not sharded: no communication.
 Half-precision logits are upcast chunk by chunk; statistics and reductions are float32 (float64
@@ -37,6 +41,7 @@ CHUNK_ELEMENTS = 1 << 17
 # Divergence chunks: about 2^22 logits. Each costs two collectives (latency) and holds p, q and
 # the per-logit derivatives of its rows (4 x 16 MiB in float32 at this size).
 DIVERGENCE_CHUNK_ELEMENTS = 1 << 22
+
 
 @dataclass(frozen=True)
 class VocabShard:
