@@ -73,3 +73,18 @@ def test_policy_steps_do_not_depend_on_the_layout(tiny_model, agg):
                     assert s[key] == pytest.approx(s_ref[key], rel=1e-5, abs=1e-6), (name, key)
         last = [r["logp_sum"] for r in results if r["logp_sum"] is not None]
         assert last and last[0] == pytest.approx(ref["logp_sum"], rel=1e-5), name
+
+
+def test_full_vocabulary_regularizer_in_training_does_not_depend_on_tp(tiny_model):
+    """A full-vocabulary ProbL2 regulariser on the actor's and the reference's logit shards (the
+    reference logits recomputed per micro-batch and consumed): TP=2 trains exactly like TP=1."""
+    runs = [run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=400,
+                         args={"tp": tp, "pp": 1, "hf_dir": tiny_model, "agg": "token-mean",
+                               "regularizer": "full_prob_l2"})
+            for tp, nproc in ((1, 1), (2, 2))]
+    ref = runs[0][0]
+    assert ref["steps"][-1]["loss/regularizer"] > 0
+    for r in runs[1]:
+        for s, s_ref in zip(r["steps"], ref["steps"]):
+            for key in ("loss/total", "loss/regularizer", "grad_norm", "entropy"):
+                assert s[key] == pytest.approx(s_ref[key], rel=1e-5, abs=1e-7), key

@@ -119,7 +119,8 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
         batch.logp_old = actor.log_probs(batch, mbs)
     if kl_in_reward:
         batch.advantages = _advantages_with_kl_in_reward(cfg, exp, batch, rows)
-    regularizer = DIVERGENCES[cfg.loss.regularizer]() if cfg.uses_vocab_regularizer else None
+    # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
+    regularizer = DIVERGENCES[cfg.loss.regularizer](consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
     size = len(batch) // cfg.grpo.mini_batches
     steps = []

@@ -154,11 +154,14 @@ class Policy:
                 num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=micro_batch_size,
                 forward_only=forward_only)
 
-    def _token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool):
-        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s], from the vocab shard [b, s, V/TP]."""
+    def _token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
+                         inplace_backward: bool = False):
+        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s], from the vocab shard [b, s, V/TP].
+        ``inplace_backward`` writes the gradient into the logits' storage (as megatron's cross
+        entropy does): one [tokens, V/TP] buffer less, allowed when nothing else uses the logits."""
         target = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # last position: masked out anyway
         kwargs = dict(group=self.tp_group, vocab_start=self.vocab_start, vocab_size=self.model.vocab_size,
-                      chunk_size=self.log_probs_chunk)
+                      chunk_size=self.log_probs_chunk, inplace_backward=inplace_backward)
         if with_entropy:
             return vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
         return vocab_parallel.log_probs(logits, target, **kwargs), None
@@ -196,7 +199,8 @@ class Policy:
         D(pi_theta, pi_ref) is evaluated on the actor's and ``reference``'s logit shards (PP=1)."""
         def loss_func(mb, logits, extra=None):
             logits = self._tempered(logits)
-            logp, ent = self._token_log_probs(logits, mb.tokens, with_entropy=True)
+            logp, ent = self._token_log_probs(logits, mb.tokens, with_entropy=True,
+                                              inplace_backward=regularizer is None)
             vocab_div = None
             if regularizer is not None:
                 vocab_div = regularizer(logits, self._tempered(extra), group=self.tp_group,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
-from megadiv.divergence import PolicyLossConfig
+from megadiv.divergence import DIVERGENCES, PolicyLossConfig
 from megadiv.parallel import initialize
 from megadiv.trainer.objectives import grpo_objective
 from megadiv.trainer.policy import Policy, SequenceBatch
@@ -30,14 +30,18 @@ def policy_steps(ctx):
     batch = _batch()
     batch.logp_ref = reference.log_probs(batch, micro_batch_size=2)
     batch.logp_old = actor.log_probs(batch, micro_batch_size=2)
+    regularizer = a.get("regularizer")
     loss = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, kl_coef=0.1,
-                            loss_agg=a["agg"])
-    steps = [actor.train_step(batch, grpo_objective(loss), micro_batch_size=2) for _ in range(3)]
+                            loss_agg=a["agg"], regularizer=regularizer, regularizer_coef=0.5 if regularizer else 0.0)
+    vocab_div = DIVERGENCES[regularizer](consume_base=True) if regularizer else None
+    steps = [actor.train_step(batch, grpo_objective(loss), micro_batch_size=2, regularizer=vocab_div,
+                              reference=reference) for _ in range(3)]
     # a NaN advantage makes every gradient NaN: the step must be skipped, the weights untouched
     before = [p.detach().clone() for p in actor.model.gpt_models[0].parameters()]
     bad = batch.rows(slice(0, 8))
     bad.advantages = torch.full((8,), float("nan"))
-    skipped = actor.train_step(bad, grpo_objective(loss), micro_batch_size=2)
+    skipped = actor.train_step(bad, grpo_objective(loss), micro_batch_size=2, regularizer=vocab_div,
+                               reference=reference)
     unchanged = all(torch.equal(x, p) for x, p in zip(before, actor.model.gpt_models[0].parameters()))
     logp = actor.log_probs(batch, micro_batch_size=4)
     return {"steps": steps, "skipped": skipped["skipped"], "unchanged": unchanged,
