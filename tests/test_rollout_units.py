@@ -73,6 +73,17 @@ def test_cpu_server_command_and_environment():
     env = child_env(cuda=False)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
     assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
+
+
+def test_a_server_launched_by_a_trainer_rank_does_not_join_its_rendezvous(monkeypatch):
+    """Under torchrun, RANK / WORLD_SIZE / MASTER_PORT name the trainer's group: a server that
+    inherited them would wait in torch.distributed's init for ranks that never come."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "MEGADIV_KEEP": "1"}.items():
+        monkeypatch.setenv(key, value)
+    env = child_env(cuda=False)
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
+    assert env["MEGADIV_KEEP"] == "1"
     gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), cuda=True)
     assert gpu[gpu.index("--tp-size") + 1] == "2" and "--device" not in gpu
     with pytest.raises(ValueError, match="server_tp"):

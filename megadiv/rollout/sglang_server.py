@@ -66,9 +66,18 @@ def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, cuda: bool) -> li
     return cmd + list(cfg.server_args)
 
 
+# torchrun's variables: a server started by a trainer rank must not join the trainer's rendezvous
+# (SGLang initialises torch.distributed from the environment and would wait for the trainer's ranks).
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
 def child_env(cuda: bool) -> dict[str, str]:
-    """The server's environment: ours, plus the CPU tier's switches and stand-ins without CUDA."""
-    env = dict(os.environ)
+    """The server's environment: ours without torchrun's, plus the CPU tier's switches and
+    stand-ins without CUDA."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")  # serve local checkpoints, never download
     if not cuda:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
