@@ -74,6 +74,11 @@ def test_cpu_server_command_and_environment():
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
     assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
 
+    gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), cuda=True)
+    assert gpu[gpu.index("--tp-size") + 1] == "2" and "--device" not in gpu
+    with pytest.raises(ValueError, match="server_tp"):
+        launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), cuda=False)
+
 
 def test_a_server_launched_by_a_trainer_rank_does_not_join_its_rendezvous(monkeypatch):
     """Under torchrun, RANK / WORLD_SIZE / MASTER_PORT name the trainer's group: a server that
@@ -84,10 +89,6 @@ def test_a_server_launched_by_a_trainer_rank_does_not_join_its_rendezvous(monkey
     env = child_env(cuda=False)
     assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
     assert env["MEGADIV_KEEP"] == "1"
-    gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), cuda=True)
-    assert gpu[gpu.index("--tp-size") + 1] == "2" and "--device" not in gpu
-    with pytest.raises(ValueError, match="server_tp"):
-        launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), cuda=False)
 
 
 def test_cpu_standins_are_not_importable_in_the_trainer():
