@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import megadiv.divergence.full_vocab  # noqa: F401  (registers the full-vocabulary measures)
 from megadiv.divergence import vocab_parallel as vp
 from megadiv.divergence.registry import VocabDivergence, get_divergence, names_of_kind
+from benchmarks.bench_divergence import peak_allocated_bytes  # the benchmark's own measurement
 from tests.torchrun import run_torchrun
 
 F64 = torch.float64
@@ -194,20 +195,6 @@ def test_inplace_backward_equals_out_of_place_and_guards_other_users():
     loss = (h ** 2).sum() + vp.log_probs(h, t, inplace_backward=True).sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
-
-
-def peak_allocated_bytes(step) -> int:
-    """Largest running sum of CPU-allocator allocations minus frees while ``step()`` runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def test_extra_memory_is_bounded_by_the_chunk():
