@@ -71,12 +71,12 @@ def train(cfg: TrainConfig) -> Path:
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
             timer = StepTimer()
-            exp = _broadcast(driver.collect(step, timer) if driver else None)   # generate, reward, advantage
+            exp = _broadcast(driver.collect(step, timer) if driver else None)  # generate, reward, advantage
             with timer("train"):
-                metrics = _optimize(cfg, actor, reference, exp, info, pad_id)    # ref/old log-probs, PPO epochs
-            state = _guard(cfg, state, metrics, step)
+                metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
+            state = _guard(cfg, state, metrics, step)                           # skip / abort on NaN
             with timer("sync"):
-                sync = _sync_weights(cfg, actor, driver, probe, step)                           # push to engine
+                sync = _sync_weights(cfg, actor, driver, probe, step)           # push weights, probe check
             evaluated = driver.evaluate() if driver and cfg.eval.every and step % cfg.eval.every == 0 else {}
             logger.log(step, exp.metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
