@@ -20,7 +20,7 @@ CONFIG = REPO / "examples" / "tiny" / "grpo.yaml"
 # The demo config, shrunk: hidden 64, 5 warm-start steps, 4 prompts x 4 samples, 20 held-out problems.
 TINY = ["model.hidden_size=64", "model.ffn_hidden_size=128", "warm_start.sft_steps=5", "warm_start.sft_batch_size=16",
         "grpo.prompts_per_step=4", "rollout.n_samples=4", "advantage.group_size=4", "grpo.micro_batch_size=8",
-        "eval.data.max_items=20", "eval.every=1", "checkpoint.every=1", "checkpoint.keep_last=2"]
+        "eval.data.max_items=20", "eval.every=1", "eval.samples=2", "checkpoint.every=1", "checkpoint.keep_last=2"]
 
 # What the progress line and metrics.jsonl must carry every step (issue: step, reward, accuracy,
 # clip fractions, entropy, KL, response length, time split rollout/reward/train/sync).
@@ -73,6 +73,8 @@ def test_two_grpo_steps_end_to_end(tmp_path, layout):
     assert "step 2/2 | " in out and "time[s] rollout" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
+    assert {"eval/accuracy", "eval/avg@2", "eval/pass@2"} <= set(summary["eval_after"])
+    assert summary["eval_after"]["eval/avg@2"] <= summary["eval_after"]["eval/pass@2"]
     assert f"run directory: {run_dir}" in out
     assert (run_dir / "curves.png").stat().st_size > 0 and any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
