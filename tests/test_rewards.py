@@ -19,7 +19,8 @@ PATHOLOGICAL = "\\boxed{99999^{99999^{99999}}}"  # sympy would run for ages; mat
 
 @pytest.fixture(scope="module")
 def pool():
-    with MathVerifyPool(workers=2, timeout_s=1, chunk_size=4) as p:
+    # 3 s: an honest item must not time out on a loaded machine; the pathological one never finishes
+    with MathVerifyPool(workers=2, timeout_s=3, chunk_size=4) as p:
         yield p
 
 
