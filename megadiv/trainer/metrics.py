@@ -85,7 +85,7 @@ class MetricsLogger:
 
 
 def plot_curves(run_dir: Path, keys=("reward/mean", "eval/accuracy", "entropy", "ref/k3",
-                                     "clip/frac_high", "response/length_mean")) -> Path | None:
+                                     "clip/frac_low", "clip/frac_high", "response/length_mean")) -> Path | None:
     """A PNG grid of the main curves from metrics.jsonl (``curves.png``)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
