@@ -142,8 +142,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
     adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     warmup_steps: int = 0
@@ -165,6 +168,7 @@ class RunConfig:
     name: str = "run"
     """The run directory is output_dir/name: metrics, checkpoints, summary, exported model."""
     output_dir: str = "runs"
+    """Parent directory of run directories."""
     seed: int = 1234
     """Seeds model init, megatron's RNG and the rollout sampling of each step (reproducible resume)."""
 

@@ -120,3 +120,14 @@ def test_cli_help_lists_the_verbs():
     assert out.returncode == 0
     for verb in ("train", "check-config", "bounds", "convert"):
         assert verb in out.stdout
+
+
+def test_config_reference_is_current():
+    """docs/config_reference.md is generated from the dataclasses; regenerate it with
+    `python -m megadiv.trainer.config_docs > docs/config_reference.md` after changing a key."""
+    from pathlib import Path
+
+    from megadiv.trainer.config_docs import render
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "config_reference.md").read_text()
+    assert committed == render(), "docs/config_reference.md is stale"

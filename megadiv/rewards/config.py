@@ -28,6 +28,7 @@ class RewardConfig:
     sandbox_max_processes: int = 1
     """code: processes and threads the program may have, itself included (1: none started)."""
     sandbox_max_open_files: int = 64
+    """code: open files the program may hold (RLIMIT_NOFILE)."""
     sandbox_output_kb: int = 1024
     """code: stdout + stderr a program may write before it is stopped."""
     sandbox_isolation: Literal["auto", "namespaces", "fallback"] = "auto"

@@ -24,9 +24,11 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; 0 means greedy. Log-probs are of softmax(logits / T) (docs/rollout.md)."""
     top_p: float = 1.0
+    """Nucleus sampling mass; 1 disables."""
     top_k: int = -1
     """-1 disables top-k."""
     max_new_tokens: int = 256
+    """Longest response; longer ones end with finish reason 'length'."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a completion besides the model's EOS tokens; the stop token is kept."""
 
@@ -68,8 +70,11 @@ class RolloutConfig:
     """Largest allowed mean |engine log-prob - trainer log-prob| over the probe tokens after a sync;
     above it the sync raises (a stale or corrupted weight moves this by O(1))."""
     probe_prompts: int = 4
+    """Sequences in the post-sync probe batch (random tokens, fixed for the run)."""
     probe_prompt_len: int = 16
+    """Prompt tokens of each probe sequence."""
     probe_response_len: int = 16
+    """Response tokens of each probe sequence (the compared log-probs)."""
 
     def __post_init__(self):
         def fail(key: str, why: str):
