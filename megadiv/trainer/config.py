@@ -169,7 +169,7 @@ class TrainConfig:
         if self.uses_vocab_regularizer and self.parallel.pipeline_parallel > 1:
             raise ConfigError(f"loss.regularizer={self.loss.regularizer} is a full-vocabulary measure: it needs the "
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
-        if self.warm_start.sft_steps and self.warm_start.make_model == "none" and not self.data_has_answers:
+        if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
 
     @property
