@@ -1,9 +1,12 @@
 """Time and peak memory of the divergence library's vocab-parallel losses against megatron-core's
-vocab-parallel cross entropy, on CPU with TP=2 (gloo), forward + backward, same run, same shapes.
+vocab-parallel cross entropy, forward + backward, same run, same shapes: on CPU with TP=2 (gloo),
+or on CUDA (NCCL; TP = the number of processes, one GPU each).
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=2 \
         benchmarks/bench_divergence.py [--tokens 4096] [--vocab-per-rank 32000] \
-        [--dtype float32] [--trials 7] [--divergence-chunk ROWS]
+        [--dtype float32] [--trials 7] [--divergence-chunk ROWS] [--json FILE]
+    torchrun --nproc_per_node=1 benchmarks/bench_divergence.py --device cuda \
+        --tokens 16384 --vocab-per-rank 151936 --dtype bfloat16        # what tools/gpu_check.py runs
 
 Rows (each rank holds logits [tokens, vocab/TP]; loss reduced to a scalar, then backward):
   (a) megatron-core vocab_parallel_cross_entropy(logits, target).sum()
@@ -14,18 +17,24 @@ Rows (each rank holds logits [tokens, vocab/TP]; loss reduced to a scalar, then 
       (reference logits detached); "in the reference's storage" uses consume_base=True (the
       reference logits serve nothing else, so their memory takes the gradient, the way (a)
       reuses its input); full KL alongside for comparison
-Times: wall clock and process CPU time, median over ``--trials`` after one warm-up, each trial
-the larger of the two ranks'; the trials interleave the rows so that load changes on a shared
-machine hit every row alike. On a loaded machine CPU time is the steadier figure (waiting for
-a descheduled peer rank shows in wall time only); the load average is printed.
-Peak memory: torch.profiler(profile_memory=True) records every CPU-allocator allocation and free
-with a timestamp; the peak is the largest running sum of those during forward + backward, plus
-the bytes of the inputs that exist before it (logits, reference logits). This counts temporaries
-inside kernels too, and is exact and repeatable, unlike process RSS. Ratios are to (a).
+CPU times: wall clock and process CPU time, median over ``--trials`` after one warm-up, each
+trial the larger of the two ranks'; the trials interleave the rows so that load changes on a
+shared machine hit every row alike. On a loaded machine CPU time is the steadier figure (waiting
+for a descheduled peer rank shows in wall time only); the load average is printed.
+CUDA times: CUDA events around each forward + backward (benchmarks/timing.py), one warm-up per
+row excluded, median over ``--trials``, each sample the largest over the ranks.
+Peak memory on CPU: torch.profiler(profile_memory=True) records every CPU-allocator allocation
+and free with a timestamp; the peak is the largest running sum of those during forward +
+backward, plus the bytes of the inputs that exist before it (logits, reference logits). This
+counts temporaries inside kernels too, and is exact and repeatable, unlike process RSS. On CUDA
+the same quantity is read from the caching allocator: max_memory_allocated() during the step
+minus what was allocated before it, plus the inputs. Ratios are to (a). ``--json`` writes every
+row's median, raw samples and peak (rank 0).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -34,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.timing import summary, time_region
 from megadiv.divergence import vocab_parallel as vp
 from megadiv.divergence.losses import PolicyLossConfig, compute_policy_loss
 from megadiv.divergence.registry import get_divergence
@@ -52,6 +62,16 @@ def peak_allocated_bytes(step) -> int:
     return peak
 
 
+def cuda_peak_allocated_bytes(step) -> int:
+    """Largest CUDA caching-allocator allocation above the bytes already allocated, during ``step()``."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -60,9 +80,16 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--divergence-chunk", type=int, default=None,
                         help="token rows per chunk of the full-vocabulary measures (default: library's)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: NCCL, one GPU per rank, CUDA-event timing")
+    parser.add_argument("--json", default=None, help="write figures and raw samples to this file (rank 0)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
@@ -72,14 +99,14 @@ def main() -> None:
 
     tokens, width, dtype = args.tokens, args.vocab_per_rank, getattr(torch, args.dtype)
     vocab = width * tp
-    g = torch.Generator().manual_seed(rank)
-    logits0 = (3 * torch.randn(tokens, width, generator=g)).to(dtype)
-    ref_logits = (logits0.float() + 0.1 * torch.randn(tokens, width, generator=g)).to(dtype)
-    target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7))
+    g = torch.Generator(device).manual_seed(rank)     # logits drawn where they live (GBs on a GPU)
+    logits0 = (3 * torch.randn(tokens, width, generator=g, device=device)).to(dtype)
+    ref_logits = (logits0.float() + 0.1 * torch.randn(tokens, width, generator=g, device=device)).to(dtype)
+    target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7)).to(device)
     seqs = max(1, tokens // 512)                      # [seqs, tokens / seqs] for the policy loss
     shape = (seqs, tokens // seqs)
-    advantages = torch.randn(seqs, generator=torch.Generator().manual_seed(8))
-    mask = torch.ones(shape)
+    advantages = torch.randn(seqs, generator=torch.Generator().manual_seed(8)).to(device)
+    mask = torch.ones(shape, device=device)
     cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.02)
     shard = dict(group=group, vocab_start=rank * width, vocab_size=vocab)
     logp_old = None
@@ -125,21 +152,54 @@ def main() -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         return elapsed.tolist()
 
-    # Trials interleave the rows, so that a load change on a shared machine hits all alike.
+    def cuda_samples(loss_fn) -> list[float]:
+        """Seconds of forward + backward per trial (CUDA events), each the largest over the ranks."""
+        dist.barrier(group)
+        fresh = lambda: (logits0.clone().requires_grad_(), ref_logits.clone())  # noqa: E731
+        samples = torch.tensor(time_region(lambda inputs: loss_fn(*inputs).backward(), warmup=1,
+                                           repeats=args.trials, device=device, setup=fresh), device=device)
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)
+        return samples.tolist()
+
     times = {label: [] for label, _, _ in rows}
-    for trial in range(args.trials + 1):                # trial 0 is the warm-up
+    if cuda:
         for label, loss_fn, _ in rows:
-            elapsed = one_step(loss_fn)
-            if trial:
-                times[label].append(elapsed)
+            times[label] = [(s, float("nan")) for s in cuda_samples(loss_fn)]  # no CPU time on a GPU
+    else:  # trials interleave the rows, so that a load change on a shared machine hits all alike
+        for trial in range(args.trials + 1):                # trial 0 is the warm-up
+            for label, loss_fn, _ in rows:
+                elapsed = one_step(loss_fn)
+                if trial:
+                    times[label].append(elapsed)
+    measure_peak = cuda_peak_allocated_bytes if cuda else peak_allocated_bytes
     results = []
     for label, loss_fn, n_inputs in rows:
         z, ref = logits0.clone().requires_grad_(), ref_logits.clone()
-        peak = n_inputs * z.nbytes + peak_allocated_bytes(lambda: loss_fn(z, ref).backward())
+        peak = n_inputs * z.nbytes + measure_peak(lambda: loss_fn(z, ref).backward())
+        del z, ref
         wall, cpu = (statistics.median(t[i] for t in times[label]) for i in (0, 1))
         results.append((label, wall, cpu, peak))
 
-    if rank == 0:
+    if rank == 0 and args.json:
+        report = {"device": args.device, "gpu": torch.cuda.get_device_name() if cuda else None, "tp": tp,
+                  "tokens": tokens, "vocab_per_rank": width, "vocab": vocab, "dtype": args.dtype,
+                  "trials": args.trials, "baseline": results[0][0],
+                  "rows": [{"label": label.strip(), "time_s": summary([s for s, _ in times[label]]),
+                            "time_x_baseline": wall / results[0][1],
+                            "cpu_s": None if cuda else statistics.median(c for _, c in times[label]),
+                            "peak_bytes": peak, "peak_x_baseline": peak / results[0][3],
+                            "samples_s": [s for s, _ in times[label]]}
+                           for label, wall, _, peak in results]}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if rank == 0 and cuda:
+        _, base_t, _, base_m = results[0]
+        print(f"TP={tp} on {torch.cuda.get_device_name()}, {tokens} tokens x {width} vocab per rank "
+              f"({vocab} in all), {args.dtype} logits, median of {args.trials} trials (CUDA events)")
+        print(f"{'':44s} {'ms':>8s} {'x (a)':>6s} {'peak MiB':>9s} {'x (a)':>6s}")
+        for label, t, _, m in results:
+            print(f"{label:44s} {t * 1e3:8.2f} {t / base_t:6.2f} {m / 2**20:9.0f} {m / base_m:6.2f}")
+    elif rank == 0:
         _, base_w, base_c, base_m = results[0]
         print(f"TP={tp}, {tokens} tokens x {width} vocab per rank ({vocab} in all), {args.dtype} "
               f"logits, median of {args.trials} trials, 1 thread per rank, "
