@@ -1,0 +1,563 @@
+"""One prepared GPU verification run: every GPU path of megadiv checked in one device call.
+
+    bash tools/gpu_check.sh OUT_DIR [--only ITEM,ITEM] [--budget SECONDS] [--smoke]
+
+First the wheels carried in ``.whl/`` (tools/gpu_wheels.sh) are installed into a target folder
+that every item's PYTHONPATH starts with; then each item runs in its own process (new session,
+under coreutils ``timeout`` with its own budget, the whole group killed afterwards), so that an
+item that fails, hangs or crashes never stops the others or the report. Budgets sum to less than
+the run's budget (default 480 s: the 8 minutes a device call is planned around), and an item
+never gets more than what is left of it.
+
+Items (docs/performance.md, "GPU verification", says what each measures):
+  gpu_tests          pytest -m gpu: passed / failed / skipped counts, failures, skip reasons
+  divergence_bench   benchmarks/bench_divergence.py --device cuda at 16,384 tokens x 151,936
+                     vocabulary, bf16, TP=1: megadiv log-prob + entropy + k3-clip and full-vocab
+                     ProbL2 against megatron-core's vocab_parallel_cross_entropy (CUDA events,
+                     warm-up excluded, medians, raw samples, peak memory)
+  no_host_sync       torch.cuda.set_sync_debug_mode("error") around the divergence library's
+                     forward + backward passes (with a planted .item() that must be caught)
+  gpt_step_mfu       megatron-core GPTModel (megadiv's builder, local spec), bf16, ~1.1B
+                     parameters: training step time and MFU = 6 N tokens / time / 989 TFLOP/s
+  grpo_demo          3 GRPO steps of the tiny demo (examples/tiny/grpo.yaml, TP=1) on the GPU
+                     with the embedded engine, through ``megadiv train``
+  transformer_engine, sglang_cuda
+                     whether those packages import here; they cannot be carried (too large), so
+                     on the verification machine they report ``skipped: not carried``
+Without CUDA every GPU item is ``skipped`` with its reason. ``--smoke`` runs the items at toy
+shapes on whatever device there is (a CPU too, except no_host_sync), to test this script's own
+code; its figures mean nothing.
+
+Report ``OUT_DIR/gpu_check.json`` (schema 1)::
+
+    {"schema": 1, "started": ISO time, "wall_s": s, "budget_s": s, "smoke": bool,
+     "environment": {python, torch, cuda, gpu, packages, ...},
+     "items": {NAME: {"status": "passed" | "failed" | "skipped", "reason": str | null,
+                      "figures": {...}, "samples": {...}, "wall_s": s, "budget_s": s}}}
+
+and ``OUT_DIR/gpu_check.log`` (every item's output). Exit code: 0 when no item failed, 1 when one
+did, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = Path(tempfile.gettempdir()) / "megadiv-gpu-site"   # where the carried wheels are installed
+SCHEMA = 1
+DEFAULT_BUDGET_S = 480
+INSTALL_BUDGET_S = 60
+SMOKE_BUDGET_SCALE = 4           # --smoke on a busy 2-core CPU: imports alone take a minute
+H200_BF16_DENSE_FLOPS = 989e12   # NVIDIA H200 SXM datasheet: dense bf16 tensor core (1,979 with sparsity)
+
+# Why a package cannot travel with a device call (at most 64 MiB of files in all).
+NOT_CARRIED = {
+    "transformer_engine": "not carried: Transformer Engine's CUDA 13 core wheel is 276 MB, over the 64 MiB "
+                          "a device call carries (the FP8 test needs it)",
+    "sglang": "not carried: SGLang needs its CUDA kernels (sgl-kernel, a 373 MB wheel) and torch 2.14.1; the "
+              "machine has torch 2.11 and takes 64 MiB per call",
+    "megatron": "not carried: megatron-core is not importable (run tools/gpu_wheels.sh here and carry .whl)",
+}
+NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    budget_s: int
+    needs: tuple[str, ...]   # checked in order: "megatron", "transformer_engine", "sglang", "cuda"
+    smoke_on_cpu: bool = True  # whether --smoke runs it without CUDA
+
+
+ITEMS = [
+    Item("gpu_tests", 140, ("cuda",)),
+    Item("divergence_bench", 80, ("megatron", "cuda")),
+    Item("no_host_sync", 40, ("cuda",), smoke_on_cpu=False),
+    Item("gpt_step_mfu", 80, ("megatron", "cuda")),
+    Item("grpo_demo", 110, ("megatron", "cuda")),
+    Item("transformer_engine", 20, ("transformer_engine", "cuda"), smoke_on_cpu=False),
+    Item("sglang_cuda", 20, ("sglang", "cuda"), smoke_on_cpu=False),
+]
+
+
+def missing(item: Item, cuda: bool, smoke: bool) -> str | None:
+    """The reason ``item`` cannot run here, or None."""
+    for need in item.needs:
+        if need == "cuda":
+            if not cuda and not (smoke and item.smoke_on_cpu):
+                return NO_CUDA
+        elif importlib.util.find_spec("megatron.core" if need == "megatron" else need) is None:
+            return NOT_CARRIED[need]
+    return None
+
+
+# --------------------------------------------------------------------------- the items
+# Each runs in a child process (``gpu_check.py --item NAME``) and returns {figures, samples,
+# status?, reason?}; an exception or a non-zero exit makes the item 'failed'.
+
+def device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def item_gpu_tests(work: Path, smoke: bool) -> dict:
+    """``pytest -m gpu`` with a per-test timeout; counts from its JUnit XML."""
+    import xml.etree.ElementTree as ET
+
+    junit = work / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider",
+           "--timeout", "90", f"--junitxml={junit}"]
+    rc = subprocess.call(cmd, cwd=REPO)
+    if not junit.exists():
+        return {"status": "failed", "reason": f"pytest exited with {rc} and wrote no report"}
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures, skip_reasons = [], {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            counts["passed"] += 1
+        elif outcome.tag == "skipped":
+            counts["skipped"] += 1
+            reason = (outcome.get("message") or "").strip()
+            skip_reasons[reason] = skip_reasons.get(reason, 0) + 1
+        else:
+            counts["failed" if outcome.tag == "failure" else "errors"] += 1
+            failures.append(f"{name}: {(outcome.get('message') or '').strip()[:300]}")
+    figures = {**counts, "pytest_exit_code": rc, "failures": failures, "skip_reasons": skip_reasons}
+    if counts["failed"] or counts["errors"] or rc not in (0, 5):
+        return {"status": "failed", "reason": f"{counts['failed']} failed, {counts['errors']} errors (exit {rc})",
+                "figures": figures}
+    if not counts["passed"]:
+        return {"status": "skipped", "reason": "no gpu-marked test ran (all skipped or none collected)",
+                "figures": figures}
+    return {"figures": figures}
+
+
+def item_divergence_bench(work: Path, smoke: bool) -> dict:
+    """benchmarks/bench_divergence.py on this device, TP=1; its JSON becomes the figures."""
+    cuda = device().type == "cuda"
+    out = work / "bench.json"
+    shape = ["--tokens", "256", "--vocab-per-rank", "1000", "--trials", "2"] if smoke else \
+            ["--tokens", "16384", "--vocab-per-rank", "151936", "--trials", "10"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           str(REPO / "benchmarks" / "bench_divergence.py"), "--device", "cuda" if cuda else "cpu",
+           "--dtype", "bfloat16", *shape, "--json", str(out)]
+    rc = subprocess.call(cmd, cwd=REPO)
+    if rc or not out.exists():
+        return {"status": "failed", "reason": f"bench_divergence.py exited with {rc}"}
+    report = json.loads(out.read_text())
+    rows = report.pop("rows")
+    figures = {**report, "rows": {r["label"]: {"median_ms": r["time_s"]["median"] * 1e3,
+                                               "time_x_megatron_ce": r["time_x_baseline"],
+                                               "peak_mib": r["peak_bytes"] / 2**20,
+                                               "peak_x_megatron_ce": r["peak_x_baseline"]} for r in rows}}
+    return {"figures": figures, "samples": {r["label"]: r["samples_s"] for r in rows}}
+
+
+def item_no_host_sync(work: Path, smoke: bool) -> dict:
+    """Each check runs once untimed (lazy CUDA initialisation), then again in sync-debug 'error'
+    mode, where any operation that makes the host wait for the GPU raises."""
+    import torch
+
+    from megadiv.divergence import vocab_parallel as vp
+    from megadiv.divergence.losses import PolicyLossConfig, aggregation_denominator, compute_policy_loss
+    from megadiv.divergence.registry import get_divergence
+
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    seqs, length, vocab = (2, 8, 64) if smoke else (8, 256, 32768)
+    logits = 3 * torch.randn(seqs * length, vocab, generator=g, device=dev)     # [tokens, vocab], float32
+    ref = logits + 0.1 * torch.randn(seqs * length, vocab, generator=g, device=dev)
+    target = torch.randint(0, vocab, (seqs * length,), generator=g, device=dev)
+    adv = torch.randn(seqs, generator=g, device=dev)
+    mask = (torch.rand(seqs, length, generator=g, device=dev) < 0.9).float()
+    cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.05, delta_high=0.07,
+                           dual_clip_c=3.0, tis_cap=2.0, loss_agg="seq-mean-token-mean")
+
+    def log_prob_entropy(inplace: bool):
+        def run():
+            z = logits.clone().requires_grad_()
+            lp, ent = vp.log_probs_and_entropy(z, target, inplace_backward=inplace)
+            (lp.sum() + 1e-3 * ent.sum()).backward()
+        return run
+
+    def policy_loss():   # the trainer's chain: logits -> log-probs + entropy -> policy loss -> backward
+        z = logits.clone().requires_grad_()
+        lp, ent = vp.log_probs_and_entropy(z, target, inplace_backward=True)
+        lp, ent = lp.view(seqs, length), ent.view(seqs, length)
+        old = lp.detach() + 0.01
+        loss, _ = compute_policy_loss(cfg, lp, old, adv, mask, logp_ref=old - 0.02, logp_rollout=old + 0.01,
+                                      entropy=ent.detach(), denominator=1.0)
+        (loss / aggregation_denominator(mask, cfg.loss_agg, None)).backward()
+
+    def regulariser(name: str, consume_base: bool):
+        measure = get_divergence(name, consume_base=consume_base)
+
+        def run():
+            z = logits.clone().requires_grad_()
+            measure(z, ref.clone()).mean().backward()
+        return run
+
+    checks = {
+        "log_probs_and_entropy (in-place backward)": log_prob_entropy(True),
+        "log_probs_and_entropy (out of place)": log_prob_entropy(False),
+        "k3-clip policy loss chain": policy_loss,
+        "full_prob_l2 (consume_base)": regulariser("full_prob_l2", True),
+        "full_kl": regulariser("full_kl", False),
+    }
+    verdicts = {"control: a planted .item() is caught": not _runs_without_sync(lambda: torch.ones(1, device=dev).item())}
+    for name, run in checks.items():
+        run()   # warm-up: cuBLAS handles, allocator growth, kernel loading
+        verdicts[name] = _runs_without_sync(run)
+    failed = [name for name, ok in verdicts.items() if ok is not True]
+    figures = {"verdict": "no host synchronisation" if not failed else "host synchronisation found",
+               "checks": verdicts, "shape": [seqs * length, vocab]}
+    if failed:
+        return {"status": "failed", "reason": "; ".join(f"{n}: {verdicts[n]}" for n in failed), "figures": figures}
+    return {"figures": figures}
+
+
+def _runs_without_sync(fn) -> bool | str:
+    """True when ``fn`` ran with no host synchronisation, else the first line of the error."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0][:300] if str(e).strip() else "RuntimeError"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return True
+
+
+# A Llama-3.2-1B-like layer stack (hidden 2048, 16 layers, 32 heads / 8 KV heads, SwiGLU 8192)
+# with a 32,000 vocabulary, untied: 1.10B parameters. 8 x 1,024 tokens per step.
+GPT_1B = dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
+              vocab_size=32000, max_position_embeddings=1024)
+GPT_SMOKE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                 vocab_size=128, max_position_embeddings=32)
+
+
+def item_gpt_step_mfu(work: Path, smoke: bool) -> dict:
+    """Forward (with the loss: megatron's vocab-parallel cross entropy) + backward + gradient
+    finalisation + Adam step, timed with CUDA events after 2 warm-up steps. MFU counts 6 N flops
+    per token (N: all parameters, embeddings included; attention-score flops not counted)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from benchmarks.timing import summary, time_region
+    from megadiv import parallel
+    from megadiv.config import ModelConfig, ParallelConfig
+    from megadiv.models.builder import build_model
+
+    dev = parallel.initialize(ParallelConfig(), seed=1).device
+    shape = GPT_SMOKE if smoke else GPT_1B
+    batch, seq = (2, 16) if smoke else (8, 1024)
+    model = build_model(ModelConfig(**shape, params_dtype="bfloat16", transformer_impl="local"), load_weights=False)
+    ddp = DistributedDataParallel(config=model.config, module=model.chunks[0],
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0), [ddp])
+    n_params = sum(p.numel() for p in ddp.parameters())
+    g = torch.Generator(dev).manual_seed(0)
+    tokens = torch.randint(0, shape["vocab_size"], (batch, seq + 1), generator=g, device=dev)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, -1)
+
+    def step():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(inputs, positions, None, labels=labels).mean()   # [batch, seq] token losses
+        loss.backward()
+        finalize_model_grads([ddp])
+        optimizer.step()
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    samples = time_region(step, warmup=2, repeats=3 if smoke else 6, device=dev)
+    step_s = summary(samples)["median"]
+    flops = 6 * n_params * batch * seq
+    figures = {"parameters": n_params, "shape": shape, "micro_batch": batch, "seq_len": seq,
+               "tokens_per_step": batch * seq, "dtype": "bfloat16", "layer_spec": "megatron local (no TE)",
+               "step_ms": summary([s * 1e3 for s in samples]), "achieved_tflops": flops / step_s / 1e12,
+               "peak_tflops_used": H200_BF16_DENSE_FLOPS / 1e12,
+               "mfu": flops / step_s / H200_BF16_DENSE_FLOPS,
+               "flops_per_step": flops, "mfu_formula": "6 * parameters * tokens / step time / 989 TFLOP/s"}
+    if dev.type == "cuda":
+        figures["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        figures["gpu"] = torch.cuda.get_device_name()
+        n = 8192                     # the machine's own ceiling: a large bf16 matrix product, random data
+        a, b = (torch.randn(n, n, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        mm = summary(time_region(lambda: a @ b, warmup=3, repeats=10, device=dev))["median"]
+        figures["matmul_8192_tflops"] = 2 * n**3 / mm / 1e12
+        figures["mfu_vs_matmul"] = flops / step_s / (2 * n**3 / mm)
+    parallel.shutdown()
+    return {"figures": figures, "samples": {"step_s": samples}}
+
+
+def item_grpo_demo(work: Path, smoke: bool) -> dict:
+    """``megadiv train examples/tiny/grpo.yaml`` with overrides: TP=1 (one GPU), 3 GRPO steps,
+    a 50-step supervised warm start (the demo's 250 only raise the starting accuracy)."""
+    runs = work / "runs"
+    overrides = {"parallel.tensor_parallel": 1, "grpo.steps": 3, "warm_start.sft_steps": 50, "eval.every": 0,
+                 "checkpoint.every": 0, "run.output_dir": runs, "model.hf_dir": runs / "tiny-grpo" / "init"}
+    if smoke:
+        overrides |= {"grpo.steps": 1, "warm_start.sft_steps": 2, "warm_start.sft_batch_size": 16,
+                      "grpo.prompts_per_step": 4, "grpo.micro_batch_size": 16, "eval.samples": 0,
+                      "eval.data.arithmetic_test_size": 8}
+    start = time.perf_counter()
+    rc = subprocess.call([sys.executable, "-m", "megadiv.cli", "train", "examples/tiny/grpo.yaml",
+                          *(f"{k}={v}" for k, v in overrides.items())], cwd=REPO)
+    wall = time.perf_counter() - start
+    run_dir = runs / "tiny-grpo"
+    if rc:
+        return {"status": "failed", "reason": f"megadiv train exited with {rc}"}
+    summary_json = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [s for s in steps if any(k.startswith("time/") for k in s)]
+    figures = {"steps": summary_json["steps"], "skipped_steps": summary_json["skipped_steps"],
+               "accuracy_before": summary_json["accuracy_before"], "accuracy_after": summary_json["accuracy_after"],
+               "wall_s_including_warm_start": wall, "device": device().type}
+    samples = {key: [s.get(key) for s in steps] for key in sorted({k for s in steps for k in s
+                                                                   if k.startswith("time/")})}
+    samples |= {key: [s.get(key) for s in steps] for key in ("reward/mean", "loss/total", "sync/probe_abs_diff_max")}
+    return {"figures": figures, "samples": samples}
+
+
+def _import_check(module: str):
+    def run(work: Path, smoke: bool) -> dict:
+        importlib.import_module(module)
+        name = {"transformer_engine": "transformer-engine"}.get(module, module)
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return {"figures": {"version": version, "note": "imports on this machine; its tests run in gpu_tests"}}
+    return run
+
+
+RUNNERS = {
+    "gpu_tests": item_gpu_tests,
+    "divergence_bench": item_divergence_bench,
+    "no_host_sync": item_no_host_sync,
+    "gpt_step_mfu": item_gpt_step_mfu,
+    "grpo_demo": item_grpo_demo,
+    "transformer_engine": _import_check("transformer_engine"),
+    "sglang_cuda": _import_check("sglang"),
+}
+
+
+def run_item_here(name: str, result: Path, work: Path, smoke: bool) -> int:
+    """Child-process entry: run one item, write its result JSON."""
+    out = RUNNERS[name](work, smoke)
+    result.write_text(json.dumps(out, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------- the orchestrator
+
+def install_wheels(wheel_dir: Path, cuda: bool, budget_s: float) -> dict:
+    """pip-install ``wheel_dir/*.whl`` into SITE (the device README's command), only on a CUDA
+    machine: the wheels are cp312 builds for it; elsewhere this environment's packages serve."""
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if not wheels:
+        return {"status": "skipped", "reason": "no wheels in .whl/ (tools/gpu_wheels.sh makes them)"}
+    if not cuda:
+        return {"status": "skipped", "reason": f"{NO_CUDA}: the carried wheels are for the GPU machine; this "
+                                               f"environment's packages are used"}
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"pip install timed out after {budget_s:.0f} s"}
+    if proc.returncode:
+        return {"status": "failed", "reason": f"pip install exited with {proc.returncode}",
+                "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    sys.path.insert(0, str(SITE))      # for the orchestrator's find_spec checks
+    importlib.invalidate_caches()
+    return {"status": "passed", "figures": {"wheels": [w.name for w in wheels], "target": str(SITE),
+                                            "bytes": sum(w.stat().st_size for w in wheels)}}
+
+
+def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
+    """Run ``item`` in a child process under ``timeout`` (SIGTERM at the budget, so that torchrun
+    can stop its ranks; SIGKILL 10 s later), with a hard limit of our own in case ``timeout`` is
+    missing or ignored; its result, or why there is none."""
+    with tempfile.TemporaryDirectory(prefix=f"gpu-check-{item.name}-") as work:
+        work = Path(work)
+        result = work / "result.json"
+        cmd = [sys.executable, "-u", str(Path(__file__)), "--item", item.name, "--result", str(result),
+               "--work", str(work)] + (["--smoke"] if smoke else [])
+        if shutil.which("timeout"):
+            cmd = ["timeout", "--kill-after=10", str(int(timeout_s))] + cmd
+        log.write(f"\n===== {item.name} (budget {timeout_s:.0f} s): {' '.join(cmd)}\n")
+        log.flush()
+        tail_start = log.tell()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s + 15)
+        except subprocess.TimeoutExpired:
+            rc = 124
+        finally:
+            _kill_group(proc.pid)    # torchrun ranks, pytest children, servers: nothing outlives the item
+            proc.wait()
+        log.flush()
+        if rc in (124, 137):
+            out = {"status": "failed", "reason": f"timed out after {timeout_s:.0f} s (its budget)"}
+        elif rc or not result.exists():
+            out = {"status": "failed", "reason": f"exited with {rc} before reporting (see log_tail)"}
+        else:
+            out = json.loads(result.read_text())
+            out.setdefault("status", "passed")
+    if out["status"] == "failed":
+        with open(log.name, "rb") as f:
+            f.seek(tail_start)
+            out["log_tail"] = f.read()[-4000:].decode(errors="replace")
+    return out
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def environment(cuda: bool) -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "cuda_available": cuda, "host": platform.node(), "cpus": os.cpu_count()}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        env |= {"gpu": props.name, "gpu_count": torch.cuda.device_count(),
+                "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+                "compute_capability": f"{props.major}.{props.minor}"}
+        try:
+            env["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as e:
+            env["nvidia_smi"] = f"unavailable: {e}"
+    packages = {}
+    for name in ("megatron-core", "transformers", "math-verify", "transformer-engine", "sglang", "triton"):
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    env["packages"] = packages
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        env["git_commit"] = None
+    return env
+
+
+def write_report(out_dir: Path, report: dict) -> Path:
+    """Write the report atomically (a reader never sees half a file); rewritten after every item."""
+    path = out_dir / "gpu_check.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+def run_all(out_dir: Path, only: list[str] | None, budget_s: float, smoke: bool) -> int:
+    import torch
+
+    started = time.monotonic()
+    deadline = started + budget_s
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    report = {"schema": SCHEMA, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "wall_s": None, "budget_s": budget_s, "smoke": smoke, "environment": {}, "wheels": {}, "items": {}}
+    wheels = install_wheels(REPO / ".whl", cuda, min(INSTALL_BUDGET_S, budget_s))
+    report["wheels"] = wheels
+    report["environment"] = environment(cuda)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in ([str(SITE)] if wheels["status"] == "passed" else [])
+                                        + [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
+    print(f"[gpu_check] wheels: {wheels['status']}" + (f" ({wheels['reason']})" if wheels.get("reason") else ""),
+          flush=True)
+    with open(out_dir / "gpu_check.log", "w") as log:
+        for item in ITEMS:
+            if only is not None and item.name not in only:
+                continue
+            left = deadline - time.monotonic() - 5          # 5 s to write the report at the end
+            budget = item.budget_s * (SMOKE_BUDGET_SCALE if smoke else 1)
+            reason = missing(item, cuda, smoke)
+            if reason is None and left < 10:
+                reason = f"no time left in the {budget_s:.0f} s budget"
+            item_start = time.monotonic()
+            if reason is not None:
+                result = {"status": "skipped", "reason": reason}
+            else:
+                print(f"[gpu_check] {item.name}: running (budget {min(budget, left):.0f} s)", flush=True)
+                try:
+                    result = run_item(item, min(budget, left), log, env, smoke)
+                except Exception as e:      # the report must survive anything one item does
+                    result = {"status": "failed", "reason": f"gpu_check could not run it: {e!r}"}
+            result = {"status": result["status"], "reason": result.get("reason"),
+                      "figures": result.get("figures", {}), "samples": result.get("samples", {}),
+                      "wall_s": round(time.monotonic() - item_start, 2), "budget_s": budget,
+                      **({"log_tail": result["log_tail"]} if "log_tail" in result else {})}
+            report["items"][item.name] = result
+            report["wall_s"] = round(time.monotonic() - started, 2)
+            write_report(out_dir, report)
+            print(f"[gpu_check] {item.name}: {result['status']}"
+                  + (f" ({result['reason']})" if result["reason"] else "") + f" [{result['wall_s']:.1f} s]", flush=True)
+    report["wall_s"] = round(time.monotonic() - started, 2)
+    path = write_report(out_dir, report)
+    print(f"[gpu_check] report: {path} ({report['wall_s']:.0f} s)", flush=True)
+    return 1 if any(r["status"] == "failed" for r in report["items"].values()) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", type=Path, help="where gpu_check.json and gpu_check.log go")
+    parser.add_argument("--only", default=None, help=f"comma-separated items, of: {','.join(i.name for i in ITEMS)}")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--smoke", action="store_true", help="toy shapes on any device (tests this script)")
+    parser.add_argument("--item", choices=list(RUNNERS), help=argparse.SUPPRESS)    # child-process entry
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.item:
+        return run_item_here(args.item, args.result, args.work, args.smoke)
+    if args.out_dir is None:
+        parser.error("OUT_DIR is required")
+    only = None
+    if args.only:
+        only = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = sorted(set(only) - {i.name for i in ITEMS})
+        if unknown:
+            parser.error(f"unknown item(s) {', '.join(unknown)}; items: {', '.join(i.name for i in ITEMS)}")
+    if args.budget <= 0:
+        parser.error(f"--budget must be > 0, got {args.budget}")
+    return run_all(args.out_dir, only, args.budget, args.smoke)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
