@@ -54,6 +54,13 @@ def test_cpu_run_reports_every_gpu_item_skipped_with_its_reason(tmp_path):
     assert "[gpu_check] report:" in proc.stdout
 
 
+def test_item_budgets_fit_the_run():
+    """The device call is planned around 480 s: the items' budgets and the install fit in it."""
+    total = sum(item.budget_s for item in gpu_check.ITEMS) + gpu_check.INSTALL_BUDGET_S
+    assert total + 5 <= gpu_check.DEFAULT_BUDGET_S == 480, total
+    assert [i.name for i in gpu_check.ITEMS] == list(gpu_check.RUNNERS)
+
+
 def test_arguments_are_checked_before_anything_runs(tmp_path):
     proc = run_script(timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: bash tools/gpu_check.sh OUT_DIR")
