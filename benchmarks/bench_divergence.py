@@ -157,7 +157,8 @@ def main() -> None:
         dist.barrier(group)
         fresh = lambda: (logits0.clone().requires_grad_(), ref_logits.clone())  # noqa: E731
         samples = torch.tensor(time_region(lambda inputs: loss_fn(*inputs).backward(), warmup=1,
-                                           repeats=args.trials, device=device, setup=fresh), device=device)
+                                           repeats=args.trials, device=device, setup=fresh),
+                               dtype=torch.float64, device=device)
         dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=group)
         return samples.tolist()
 

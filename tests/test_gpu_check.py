@@ -110,6 +110,16 @@ def test_carried_wheels_install_only_on_a_cuda_machine(tmp_path):
     assert broken["status"] == "failed" and broken["reason"].startswith("pip install exited with")
 
 
+def test_no_host_sync_checks_run_and_give_gradients_on_cpu():
+    """The passes the no_host_sync item watches on a GPU, here on a CPU (the sync watcher is
+    CUDA-only): each runs and fills a finite, non-zero gradient of the logits."""
+    checks = gpu_check.sync_checks(torch.device("cpu"), seqs=2, length=8, vocab=64)
+    assert len(checks) == 5
+    for name, run in checks.items():
+        z = run()
+        assert z.grad is not None and torch.isfinite(z.grad).all() and z.grad.abs().sum() > 0, name
+
+
 def test_timing_helper_statistics_and_protocol():
     assert summary([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     assert summary([4.0, 1.0, 2.0, 10.0])["median"] == 3.0          # even count: mean of the middle two

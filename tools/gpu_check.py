@@ -32,8 +32,10 @@ Report ``OUT_DIR/gpu_check.json`` (schema 1)::
 
     {"schema": 1, "started": ISO time, "wall_s": s, "budget_s": s, "smoke": bool,
      "environment": {python, torch, cuda, gpu, packages, ...},
+     "wheels": {"status": ..., "reason": ..., "figures": {wheels, target, bytes}},
      "items": {NAME: {"status": "passed" | "failed" | "skipped", "reason": str | null,
-                      "figures": {...}, "samples": {...}, "wall_s": s, "budget_s": s}}}
+                      "figures": {...}, "samples": {...}, "wall_s": s, "budget_s": s,
+                      "log_tail": str (failed items only)}}}
 
 and ``OUT_DIR/gpu_check.log`` (every item's output). Exit code: 0 when no item failed, 1 when one
 did, 2 on bad arguments.
@@ -179,14 +181,32 @@ def item_no_host_sync(work: Path, smoke: bool) -> dict:
     mode, where any operation that makes the host wait for the GPU raises."""
     import torch
 
+    dev = torch.device("cuda")
+    seqs, length, vocab = (2, 8, 64) if smoke else (8, 256, 32768)
+    verdicts = {"control: a planted .item() is caught": not _runs_without_sync(lambda: torch.ones(1, device=dev).item())}
+    for name, run in sync_checks(dev, seqs, length, vocab).items():
+        run()   # warm-up: cuBLAS handles, allocator growth, kernel loading
+        verdicts[name] = _runs_without_sync(run)
+    failed = [name for name, ok in verdicts.items() if ok is not True]
+    figures = {"verdict": "no host synchronisation" if not failed else "host synchronisation found",
+               "checks": verdicts, "shape": [seqs * length, vocab]}
+    if failed:
+        return {"status": "failed", "reason": "; ".join(f"{n}: {verdicts[n]}" for n in failed), "figures": figures}
+    return {"figures": figures}
+
+
+def sync_checks(dev, seqs: int, length: int, vocab: int) -> dict:
+    """Forward + backward passes of the divergence library as the trainer runs them, on float32
+    logits [seqs * length, vocab] (TP=1: no collectives), each on a fresh copy of the inputs;
+    each returns the logits leaf, whose .grad the backward filled."""
+    import torch
+
     from megadiv.divergence import vocab_parallel as vp
     from megadiv.divergence.losses import PolicyLossConfig, aggregation_denominator, compute_policy_loss
     from megadiv.divergence.registry import get_divergence
 
-    dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
-    seqs, length, vocab = (2, 8, 64) if smoke else (8, 256, 32768)
-    logits = 3 * torch.randn(seqs * length, vocab, generator=g, device=dev)     # [tokens, vocab], float32
+    logits = 3 * torch.randn(seqs * length, vocab, generator=g, device=dev)     # [tokens, vocab]
     ref = logits + 0.1 * torch.randn(seqs * length, vocab, generator=g, device=dev)
     target = torch.randint(0, vocab, (seqs * length,), generator=g, device=dev)
     adv = torch.randn(seqs, generator=g, device=dev)
@@ -199,6 +219,7 @@ def item_no_host_sync(work: Path, smoke: bool) -> dict:
             z = logits.clone().requires_grad_()
             lp, ent = vp.log_probs_and_entropy(z, target, inplace_backward=inplace)
             (lp.sum() + 1e-3 * ent.sum()).backward()
+            return z
         return run
 
     def policy_loss():   # the trainer's chain: logits -> log-probs + entropy -> policy loss -> backward
@@ -209,6 +230,7 @@ def item_no_host_sync(work: Path, smoke: bool) -> dict:
         loss, _ = compute_policy_loss(cfg, lp, old, adv, mask, logp_ref=old - 0.02, logp_rollout=old + 0.01,
                                       entropy=ent.detach(), denominator=1.0)
         (loss / aggregation_denominator(mask, cfg.loss_agg, None)).backward()
+        return z
 
     def regulariser(name: str, consume_base: bool):
         measure = get_divergence(name, consume_base=consume_base)
@@ -216,25 +238,16 @@ def item_no_host_sync(work: Path, smoke: bool) -> dict:
         def run():
             z = logits.clone().requires_grad_()
             measure(z, ref.clone()).mean().backward()
+            return z
         return run
 
-    checks = {
+    return {
         "log_probs_and_entropy (in-place backward)": log_prob_entropy(True),
         "log_probs_and_entropy (out of place)": log_prob_entropy(False),
         "k3-clip policy loss chain": policy_loss,
         "full_prob_l2 (consume_base)": regulariser("full_prob_l2", True),
         "full_kl": regulariser("full_kl", False),
     }
-    verdicts = {"control: a planted .item() is caught": not _runs_without_sync(lambda: torch.ones(1, device=dev).item())}
-    for name, run in checks.items():
-        run()   # warm-up: cuBLAS handles, allocator growth, kernel loading
-        verdicts[name] = _runs_without_sync(run)
-    failed = [name for name, ok in verdicts.items() if ok is not True]
-    figures = {"verdict": "no host synchronisation" if not failed else "host synchronisation found",
-               "checks": verdicts, "shape": [seqs * length, vocab]}
-    if failed:
-        return {"status": "failed", "reason": "; ".join(f"{n}: {verdicts[n]}" for n in failed), "figures": figures}
-    return {"figures": figures}
 
 
 def _runs_without_sync(fn) -> bool | str:
