@@ -287,6 +287,7 @@ def confine(p: dict, workdir: str) -> None:
         set_limits(p, count_own_tasks(os.getuid()) + p["max_processes"] - 1)
     if 0 in os.getresuid() or 0 in os.getresgid() or effective_capabilities() != 0:
         raise OSError(errno.EPERM, "could not drop root or capabilities")
+    die_with_parent()  # again: changing uids cleared it (the seccomp filter keeps the program from doing so)
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(no_new_privs)")
     _prctl(PR_SET_DUMPABLE, 0, "prctl(dumpable)")  # /proc/self/{mem,fd,environ} become root's
     install_seccomp()
@@ -497,11 +498,12 @@ def make_audit_hook(workdir: str, allow_processes: bool):
 # --------------------------------------------------------------------------- runner
 
 
-def reap_all() -> None:
-    """Kill and reap every process left under this subreaper (orphans are re-parented here)."""
+def reap_all(scan: bool) -> None:
+    """Kill and reap every process left under this subreaper (orphans are re-parented here; in
+    namespaces mode they are the namespace init's, so there is nothing to scan for)."""
     me = str(os.getpid()).encode()
     while True:
-        for entry in os.listdir("/proc"):
+        for entry in os.listdir("/proc") if scan else ():
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
                     if entry.isdigit() and f.read().rsplit(b")", 1)[1].split()[1] == me:
@@ -560,7 +562,7 @@ def main() -> int:
         code = os.waitstatus_to_exitcode(status) & 0xFF
     else:
         code = wait_user(pid, ctl)
-    reap_all()
+    reap_all(scan=not namespaces)
     ctl.send(e="ended")
     return code
 
