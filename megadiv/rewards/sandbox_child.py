@@ -174,6 +174,59 @@ def install_seccomp() -> None:
           ctypes.c_ulong(0), what="prctl(seccomp filter)")  # SECCOMP_MODE_FILTER; needs no_new_privs
 
 
+# --------------------------------------------------------------------------- landlock (unsafe mode)
+
+_SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT = 444, 445, 446  # same on every arch
+_LL_READ = 1 << 0 | 1 << 2 | 1 << 3  # execute, read_file, read_dir
+_LL_DEVICE = 1 << 1 | 1 << 2  # write_file, read_file
+# Every filesystem right each Landlock ABI can handle (1: bits 0-12; 2: + refer; 3: + truncate;
+# 5: + ioctl_dev); net (ABI 4): bind and connect TCP; scopes (ABI 6): abstract unix sockets, signals.
+_LL_FS = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
+
+
+def install_landlock(p: dict, workdir: str) -> int:
+    """Unsafe mode: a kernel-enforced filesystem and network policy where Landlock exists (Linux
+    5.13+, unprivileged): read and execute the system and Python paths only, write the working
+    directory and /dev/null only; no TCP bind/connect (ABI 4+); no signals to processes outside
+    (ABI 6+); /proc readable only to a fresh uid (whose view of other processes is closed).
+    Returns the ABI used, 0 when the kernel has no Landlock (the audit hook remains)."""
+    syscall = _libc.syscall
+    syscall.restype = ctypes.c_long
+    abi = syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # ..._VERSION
+    if abi < 1:
+        return 0
+    fs = _LL_FS[max(k for k in _LL_FS if k <= abi)]
+    attr = struct.pack("QQQ", fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    ruleset = syscall(_SYS_LANDLOCK_CREATE, attr, ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        rules = [(path, _LL_READ) for path in SYSTEM_PATHS + tuple(p["python_paths"])]
+        rules += [(f"/dev/{dev}", _LL_DEVICE) for dev in DEVICES] + [(workdir, fs)]
+        if p["fresh_uid"]:  # /proc: other processes' entries are closed to a fresh uid anyway
+            rules.append(("/proc", _LL_READ))
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # absent here
+            try:
+                regular = not os.path.isdir(path)
+                # A rule on a file may only grant file rights (execute, write, read, truncate, ioctl).
+                allowed = access & fs & ((1 << 0 | 1 << 1 | 1 << 2 | 1 << 14 | 1 << 15) if regular else ~0)
+                rule = struct.pack("=Qi", allowed, fd)
+                if syscall(_SYS_LANDLOCK_ADD_RULE, ruleset, 1, rule, ctypes.c_uint32(0)) != 0:  # path_beneath
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
+            finally:
+                os.close(fd)
+        if syscall(_SYS_LANDLOCK_RESTRICT, ruleset, ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
 # --------------------------------------------------------------------------- namespaces
 
 
@@ -271,9 +324,21 @@ def effective_capabilities() -> int:
         return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
 
 
+# Unsafe mode as root: the fresh uid can read only world-readable files, and a Python installed
+# under a private directory (pyenv under /root) is not; the modules programs commonly use are
+# imported before the uid changes (namespaces mode binds the installation into a readable root).
+PRELOAD = ("array", "bisect", "cmath", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
+           "fractions", "functools", "heapq", "itertools", "math", "operator", "random", "re", "statistics",
+           "string", "textwrap", "typing", "unicodedata")
+
+
 def confine(p: dict, workdir: str) -> None:
     """rlimits, never root, no capabilities, no_new_privs, not dumpable, seccomp, a fresh environment."""
     os.chdir(workdir)
+    p["fresh_uid"] = os.geteuid() == 0
+    if p["isolation"] == "unsafe" and p["fresh_uid"]:
+        for name in PRELOAD:
+            __import__(name)
     if os.geteuid() == 0:
         # A fresh uid per run: RLIMIT_NPROC binds (the kernel does not apply it to root) and nothing
         # of the host is writable by it. Changing every uid away from 0 clears all capabilities.
@@ -290,6 +355,8 @@ def confine(p: dict, workdir: str) -> None:
     die_with_parent()  # again: changing uids cleared it (the seccomp filter keeps the program from doing so)
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl(no_new_privs)")
     _prctl(PR_SET_DUMPABLE, 0, "prctl(dumpable)")  # /proc/self/{mem,fd,environ} become root's
+    if p["isolation"] == "unsafe":
+        p["landlock_abi"] = install_landlock(p, workdir)
     install_seccomp()
     os.environ.clear()
     os.environ.update(p["env"], HOME=workdir, TMPDIR=workdir)
