@@ -88,15 +88,6 @@ def plan_test(source: str) -> TestPlan:
     return TestPlan(source, tuple(splitter.leaves), code)
 
 
-class Opaque:
-    """A value that was not plain data: equal to nothing."""
-
-    def __eq__(self, other):
-        return False
-
-    __hash__ = object.__hash__
-
-
 def decode(obj: Any) -> Any:
     """Inverse of the sandbox's encoder (raises on anything malformed; recursion is bounded by the
     caller's line-length cap and the encoder's depth cap)."""
