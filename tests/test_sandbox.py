@@ -182,15 +182,20 @@ def f(kind):
     return {'tuple': (1, 2), 'list': [1, 2], 'set': {3, 1}, 'dict': {(1, 'a'): [2.5, None]},
             'counter': collections.Counter('aab'), 'big': 3 ** 200, 'bytes': b'\\x00\\xff', 'nan': math.nan,
             'complex': 1 - 2j, 'nested': [[(1,)], {frozenset({1})}], 'neg': -5, 'true': True}[kind]
+def match(text):
+    import re
+    return re.search('^a', text)
 """
     passing = ["assert f('tuple') == (1, 2)", "assert f('list') == [1, 2]", "assert f('set') == {1, 3}",
                "assert f('dict') == {(1, 'a'): [2.5, None]}", "assert f('counter') == {'a': 2, 'b': 1}",
                "assert f('big') == 3 ** 200", "assert f('bytes') == b'\\x00\\xff'", "assert f('nan') != f('nan')",
                "assert f('complex') == 1 - 2j", "assert f('nested') == [[(1,)], {frozenset({1})}]",
                "assert f('neg') == -5 and f('true') is True", "assert set(f('list')) == {2, 1}",
-               "assert math.isclose(f('dict')[(1, 'a')][0], 2.5000001, rel_tol=1e-6)", "assert not f('list') == []"]
+               "assert math.isclose(f('dict')[(1, 'a')][0], 2.5000001, rel_tol=1e-6)", "assert not f('list') == []",
+               "assert match('abc')", "assert not match('bc')", "assert match('abc') != 1"]  # not data: truth only
     failing = ["assert f('tuple') == [1, 2]", "assert f('list') == (1, 2)", "assert f('true') == 'True'",
-               "assert f('neg') < 'a'"]  # list vs tuple stays unequal; int < str raises: failed
+               "assert f('neg') < 'a'",
+               "assert match('abc') == match('abc')"]  # list vs tuple stays unequal; int < str raises: failed
     r = run(program, passing + failing, mode, setup="import math")
     assert (r.status, r.passed) == ("failed", len(passing)), r
 

@@ -88,6 +88,24 @@ def plan_test(source: str) -> TestPlan:
     return TestPlan(source, tuple(splitter.leaves), code)
 
 
+class Opaque:
+    """A value that was not plain data: it has the truth value the sandbox reported and equals nothing."""
+
+    def __init__(self, truth: bool):
+        self.truth = truth
+
+    def __bool__(self):
+        return self.truth
+
+    def __eq__(self, other):
+        return False
+
+    def __ne__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
 def decode(obj: Any) -> Any:
     """Inverse of the sandbox's encoder (raises on anything malformed; recursion is bounded by the
     caller's line-length cap and the encoder's depth cap)."""
@@ -104,6 +122,8 @@ def decode(obj: Any) -> Any:
         return complex(float(v[0]), float(v[1]))
     if tag == "bytes":
         return bytes.fromhex(v)
+    if tag == "object":
+        return Opaque(v is True)
     items = [decode(x) for x in v]
     if tag == "tuple":
         return tuple(items)
