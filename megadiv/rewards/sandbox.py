@@ -142,7 +142,7 @@ def run_sandboxed(program: str, tests: Sequence[str], timeout_s: float = 10.0, *
     _sweep_stale_once()
     result, setup_error = _run(program, plans, setup, timeout_s, limits, isolation)
     if setup_error:
-        raise SandboxError(_refusal(setup_error) if isolation == "namespaces" else
+        raise SandboxError(_refusal(setup_error) if "unshare:" in setup_error else
                            f"sandbox set-up failed ({isolation}): {setup_error}")
     return result
 
@@ -212,10 +212,14 @@ def _make_cgroup(name: str, limits: SandboxLimits) -> Optional[str]:
         return None
     settings = {"memory.max": (limits.memory_mb * limits.max_processes + limits.tmpfs_mb) << 20,
                 "memory.swap.max": 0, "pids.max": limits.max_processes + 1}  # +1: the namespace init
-    for key, value in settings.items():
-        if os.path.exists(f"{path}/{key}"):
-            with open(f"{path}/{key}", "w") as f:
-                f.write(str(value))
+    try:
+        for key, value in settings.items():
+            if os.path.exists(f"{path}/{key}"):
+                with open(f"{path}/{key}", "w") as f:
+                    f.write(str(value))
+    except OSError:
+        os.rmdir(path)
+        raise
     return path
 
 
