@@ -677,6 +677,17 @@ def who():
     assert r.status == "passed", (r.detail, r.output)
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_program_runs_in_the_runs_cgroup(mode):
+    from megadiv.rewards.sandbox import _cgroup_base
+
+    if not _cgroup_base():
+        pytest.skip("no writable cgroup v2 here: rlimits only")
+    program = "def where():\n    return [l for l in open('/proc/self/cgroup') if l.startswith('0::')][0]"
+    r = run(program, [f"assert where().startswith('0::') and 'megadiv-sandbox-{os.getpid()}-' in where()"], mode)
+    assert r.status == "passed", (r.detail, r.output)
+
+
 def test_seccomp_program_is_well_formed():
     for arch in (0xC000003E, 0xC00000B7):
         prog = seccomp_program(arch)
