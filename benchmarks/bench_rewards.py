@@ -45,7 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--math-items", type=int, default=1000)
     ap.add_argument("--mbpp-items", type=int, default=100)
-    ap.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "fallback"])
+    ap.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "unsafe"])
     args = ap.parse_args()
     print(f"{'reward':<34}{'workers':>8}{'items/s':>10}   note")
     for workers in (1, 2):

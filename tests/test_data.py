@@ -92,6 +92,12 @@ def test_jsonl_dataset_from_config(tmp_path):
     code.write_text(json.dumps({"prompt": "add", "tests": ["assert add(1, 2) == 3"]}) + "\n")
     ds = load_dataset(DataConfig(name="jsonl", path=str(code), answer_field=None, tests_field="tests"))
     assert ds[0].tests == ("assert add(1, 2) == 3",) and ds[0].answer is None
+    # A record without tests would be graded on nothing: the loader refuses it.
+    for empty in ([], [""]):
+        code.write_text(json.dumps({"prompt": "add", "tests": ["assert add(1, 2) == 3"]}) + "\n"
+                        + json.dumps({"prompt": "sub", "tests": empty}) + "\n")
+        with pytest.raises(DatasetError, match="row 1 field 'tests' must be a non-empty list"):
+            load_dataset(DataConfig(name="jsonl", path=str(code), answer_field=None, tests_field="tests"))
 
 
 def test_register_dataset():

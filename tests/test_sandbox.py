@@ -1,60 +1,166 @@
-"""The code sandbox: counting, and hostile programs that must score 0 and leave the host unchanged.
+"""The code sandbox: counting, forgery, hostile programs. Every attack must score 0 and leave the host unchanged.
 
-Each hostile program runs under every isolation mode this machine offers:
-- ``namespaces``: the default on Linux as root (namespaces + fresh uid + rlimits + audit hook);
+Modes this machine offers:
+- ``namespaces``: the default on Linux as root (namespaces + fresh uid + seccomp + rlimits + audit hook);
 - ``namespaces-os``: the same without the audit hook, to show the OS-level guards hold alone;
-- ``fallback``: rlimits + audit hook only (what runs without root or namespaces).
-A hostile program's tests assert that its attack worked, so it scores 0 exactly when it failed.
+- ``unsafe``: the explicit opt-in without namespaces (fresh uid, seccomp, rlimits, audit hook);
+and the refusal path: ``auto`` where namespaces are unavailable (a child under
+``setpriv --bounding-set -sys_admin``) must refuse every probe before it runs.
 
-Fork-bomb safety: a real (exponential) bomb runs only under a fresh uid whose RLIMIT_NPROC the
-kernel enforces, and only after a linear probe has shown that limit holding; in fallback mode as
-root (where RLIMIT_NPROC does not bind) only the linear probe runs, capped at 20 forks.
+A hostile program's tests assert that its attack worked, so it scores 0 exactly when it failed;
+the host is checked independently (files, processes, sockets, the caller's memory).
 """
+import json
 import os
+import random
+import shutil
 import socket
+import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
-from megadiv.rewards import SandboxLimits, run_sandboxed
+from megadiv.rewards import SandboxError, SandboxLimits, run_sandboxed
 from megadiv.rewards.code_reward import code_score
-from megadiv.rewards.sandbox import marked_processes
+from megadiv.rewards.sandbox import RUN_MARKER, STATUSES
+from megadiv.rewards.sandbox_child import seccomp_program
 
 ROOT_LINUX = sys.platform == "linux" and os.geteuid() == 0
 MODES = {
     "namespaces": dict(isolation="namespaces"),
     "namespaces-os": dict(isolation="namespaces", audit_hook=False),
-    "fallback": dict(isolation="fallback"),
+    "unsafe": dict(isolation="unsafe"),
 }
 needs_ns = pytest.mark.skipif(not ROOT_LINUX, reason="namespaces need root on Linux")
 ALL_MODES = [pytest.param(m, marks=needs_ns) if m.startswith("namespaces") else m for m in MODES]
 NS_MODES = [pytest.param(m, marks=needs_ns) for m in MODES if m.startswith("namespaces")]
+SETPRIV = shutil.which("setpriv")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
-def run(program, tests, mode, timeout_s=10.0, **limits):
-    result = run_sandboxed(program, tests, timeout_s, limits=SandboxLimits(**MODES[mode], **limits))
-    assert result.isolation == ("fallback" if mode == "fallback" else "namespaces")
+def run(program, tests, mode, timeout_s=10.0, setup="", **limits):
+    result = run_sandboxed(program, tests, timeout_s, setup=setup, limits=SandboxLimits(**MODES[mode], **limits))
+    assert result.isolation == MODES[mode]["isolation"]
     assert marked_processes(result.run_id) == [], "a sandboxed process outlived run_sandboxed"
+    assert zombie_children() == [], "run_sandboxed left a zombie"
     return result
+
+
+# --------------------------------------------------------------------------- independent host checks
+
+
+def marked_processes(run_id: str) -> list[int]:
+    """Live processes that still carry the run's environment marker (a program may erase it:
+    tests also look for their own unique command lines)."""
+    needle = f"{RUN_MARKER}={run_id}".encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0") and not _is_zombie(int(entry)):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def zombie_children() -> list[int]:
+    me = str(os.getpid()).encode()
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == b"Z" and fields[1] == me:
+            out.append(int(entry))
+    return out
 
 
 def live_cmdlines_containing(marker: str) -> list[str]:
     found = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if marker in cmd:
+        if marker in cmd and not _is_zombie(int(entry)):
             found.append(cmd)
     return found
 
 
-# --------------------------------------------------------------------------- counting
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+class Host:
+    """What a probe might touch on the host, checked from outside the sandbox: files named with the
+    probe's tag in the shared temporary directories and a world-writable scratch directory,
+    a listening socket on loopback, a victim process, processes with the tag in their command line,
+    the caller's memory."""
+
+    def __init__(self, tmp_path):
+        self.tag = uuid.uuid4().hex[:12]
+        self.scratch = tmp_path
+        os.chmod(tmp_path, 0o777)  # world-writable: only the sandbox can stop a write
+        (tmp_path / f"keep-{self.tag}").write_text("host file")
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.port = self.listener.getsockname()[1]
+        self.victim = subprocess.Popen(["sleep", str(6_000_000 + random.randrange(1_000_000))])
+        self.rss = rss_mb()
+
+    def names(self) -> dict:
+        return dict(tag=self.tag, scratch=str(self.scratch), port=self.port, victim=self.victim.pid,
+                    keep=str(self.scratch / f"keep-{self.tag}"))
+
+    def check(self, rss_slack_mb: float = 64.0) -> None:
+        for d in ("/tmp", "/var/tmp", "/dev/shm", str(self.scratch), REPO):
+            leaked = [n for n in os.listdir(d) if self.tag in n and not n.startswith("keep-")]
+            assert leaked == [], f"files written outside the sandbox: {d}/{leaked}"
+        keep = self.scratch / f"keep-{self.tag}"
+        assert keep.read_text() == "host file"
+        try:
+            assert os.listxattr(keep) == [], "the sandbox set an extended attribute on a host file"
+        except OSError:  # no xattr support on this filesystem
+            pass
+        self.listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no connection ever arrived
+            self.listener.accept()
+        assert self.victim.poll() is None, "the sandbox killed a host process"
+        assert live_cmdlines_containing(self.tag) == [], "a process of the sandbox is still running"
+        assert rss_mb() - self.rss < rss_slack_mb, "the caller's memory grew"
+
+    def close(self):
+        self.listener.close()
+        self.victim.kill()
+        self.victim.wait()
+
+
+@pytest.fixture
+def host(tmp_path):
+    h = Host(tmp_path)
+    yield h
+    h.close()
+
+
+# --------------------------------------------------------------------------- counting and basics
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -66,6 +172,32 @@ def test_counts_each_assert(mode):
     assert "hello from the program" in r.output
     assert run(program, [tests[0], tests[2]], mode).status == "passed"
     assert code_score(r, partial_credit=True) == (2 / 3, "wrong") and code_score(r, False) == (0.0, "wrong")
+
+
+@pytest.mark.parametrize("mode", NS_MODES)
+def test_values_survive_the_trip_with_python_equality(mode):
+    program = """
+import collections, math
+def f(kind):
+    return {'tuple': (1, 2), 'list': [1, 2], 'set': {3, 1}, 'dict': {(1, 'a'): [2.5, None]},
+            'counter': collections.Counter('aab'), 'big': 3 ** 200, 'bytes': b'\\x00\\xff', 'nan': math.nan,
+            'complex': 1 - 2j, 'nested': [[(1,)], {frozenset({1})}], 'neg': -5, 'true': True}[kind]
+def match(text):
+    import re
+    return re.search('^a', text)
+"""
+    passing = ["assert f('tuple') == (1, 2)", "assert f('list') == [1, 2]", "assert f('set') == {1, 3}",
+               "assert f('dict') == {(1, 'a'): [2.5, None]}", "assert f('counter') == {'a': 2, 'b': 1}",
+               "assert f('big') == 3 ** 200", "assert f('bytes') == b'\\x00\\xff'", "assert f('nan') != f('nan')",
+               "assert f('complex') == 1 - 2j", "assert f('nested') == [[(1,)], {frozenset({1})}]",
+               "assert f('neg') == -5 and f('true') is True", "assert set(f('list')) == {2, 1}",
+               "assert math.isclose(f('dict')[(1, 'a')][0], 2.5000001, rel_tol=1e-6)", "assert not f('list') == []",
+               "assert match('abc')", "assert not match('bc')", "assert match('abc') != 1"]  # not data: truth only
+    failing = ["assert f('tuple') == [1, 2]", "assert f('list') == (1, 2)", "assert f('true') == 'True'",
+               "assert f('neg') < 'a'",
+               "assert match('abc') == match('abc')"]  # list vs tuple stays unequal; int < str raises: failed
+    r = run(program, passing + failing, mode, setup="import math")
+    assert (r.status, r.passed) == ("failed", len(passing)), r
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -81,40 +213,222 @@ def test_broken_empty_and_wrong_programs_score_zero(mode):
         r = run(program, tests, mode)
         assert (r.status, r.passed) == (status, 0), (program, r)
         assert code_score(r, partial_credit=True)[0] == 0.0
-    # A test that calls sys.exit counts as failed, and the following asserts still run.
-    r = run("import sys\ndef f():\n    sys.exit(0)", ["f()", "assert True"], mode)
+    # A test that calls sys.exit counts as failed, and the following tests still run.
+    r = run("import sys\ndef f():\n    sys.exit(0)", ["assert f()", "assert 1 == 1"], mode)
     assert (r.status, r.passed) == ("failed", 1)
 
 
-# --------------------------------------------------------------------------- hostile programs
+def test_zero_tests_is_a_failure_and_tests_must_be_asserts():
+    r = run_sandboxed("def f():\n    return 1", [], 5.0, limits=SandboxLimits(isolation="unsafe"))
+    assert (r.status, r.passed, r.total) == ("failed", 0, 0) and code_score(r, partial_credit=True) == (0.0, "wrong")
+    for bad in ("f()", "assert f(\n", "assert f()\nassert g()"):
+        with pytest.raises(ValueError, match="assert|not valid"):
+            run_sandboxed("", [bad], 5.0, limits=SandboxLimits(isolation="unsafe"))
+
+
+# --------------------------------------------------------------------------- forgery
+
+WRONG = "def add(a, b):\n    return a - b\n"  # every forgery below defends this wrong function
+FORGE_TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
+FORGERIES = {
+    "results_fd": WRONG + """
+import os, json
+lines = [json.dumps(ev) + '\\n' for ev in (
+    {'e': 'program', 'ok': True}, {'e': 'test', 'i': 0, 'ok': True}, {'e': 'test', 'i': 1, 'ok': True},
+    {'e': 'test', 'i': 0, 'v': [3]}, {'e': 'test', 'i': 1, 'v': [4]}, {'e': 'done', 'count': 2})]
+for fd in range(3, 1024):
+    for line in lines:
+        try:
+            os.write(fd, line.encode())
+        except OSError:
+            break
+""",
+    "results_fd_then_exit": WRONG + """
+import os, json
+for fd in range(3, 1024):
+    try:
+        for i, v in enumerate([3, 4]):
+            os.write(fd, (json.dumps({'e': 'test', 'i': i, 'v': [v], 'n': ''}) + '\\n').encode())
+        os.write(fd, b'{"e": "done", "count": 2}\\n')
+    except OSError:
+        pass
+os._exit(0)
+""",
+    "builtins_exec_compile_eval": WRONG + """
+import builtins
+real_compile = builtins.compile
+builtins.exec = lambda *a, **k: None
+builtins.eval = lambda *a, **k: True
+builtins.compile = lambda src, *a, **k: real_compile('True', '<forged>', 'eval')
+""",
+    "patch_harness_via_main": WRONG + """
+import sys, json
+main = sys.modules['__main__']
+for name in ('run_tests', 'make_encoder', 'kind_of', 'describe', 'judge', 'user_process'):
+    if hasattr(main, name):
+        setattr(main, name, lambda *a, **k: True)
+if hasattr(main, 'Channel'):
+    main.Channel.send = lambda self, **ev: None
+json.dumps = lambda *a, **k: '{"e": "test", "ok": true}'
+import json.encoder
+json.encoder.c_make_encoder = None
+""",
+    "always_true_eq": """
+class Yes:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+    def __bool__(self):
+        return True
+def add(a, b):
+    return Yes()
+""",
+    "int_subclass_eq": """
+class Liar(int):
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+def add(a, b):
+    return Liar(0)
+""",
+    "frame_walk": WRONG + """
+import sys
+def add(a, b, _real=add):
+    frame = sys._getframe(1)
+    while frame is not None:
+        for key, value in list(frame.f_locals.items()):
+            if key == 'leaves':  # make the harness evaluate something else than add(...)
+                for test in value:
+                    test[:] = ['True' for _ in test]
+            if key == 'send':
+                try:
+                    value(e='test', i=0, v=[3])
+                except Exception:
+                    pass
+        frame = frame.f_back
+    return _real(a, b)
+""",
+}
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_every_forgery_scores_zero(mode, forgery, host):
+    r = run(FORGERIES[forgery], FORGE_TESTS, mode)
+    assert r.passed == 0 and code_score(r, partial_credit=True)[0] == 0.0, r
+    assert r.status in ("failed", "crashed"), r
+    host.check()
+
+
+def test_forged_results_in_the_callers_parser_score_zero():
+    """The caller's judge on its own: a results stream without the nonce, out of order, short,
+    or with values that are not data is never a pass."""
+    from megadiv.rewards.grading import plan_test
+    from megadiv.rewards.sandbox import _status
+
+    plans = [plan_test(t) for t in FORGE_TESTS]
+    good = [{"e": "program", "ok": True}, {"e": "test", "i": 0, "v": [3]}, {"e": "test", "i": 1, "v": [4]},
+            {"e": "done", "count": 2}]
+
+    def status(events, nonce="N"):
+        raw = "".join(json.dumps({**ev, "n": nonce}) + "\n" for ev in events).encode()
+        return _status(raw, "N", plans, [{"e": "exit", "signal": 0}], False, None, 10)
+
+    assert status(good)[:2] == ("passed", 2)
+    assert status(good, nonce="M")[:2] == ("crashed", 0)
+    assert status(good[:3])[:2] == ("crashed", 0)  # no done
+    assert status(good[:2] + good[1:])[:2] == ("crashed", 0)  # a test twice
+    assert status([good[0], good[2], good[1], good[3]])[:2] == ("crashed", 0)
+    assert status(good[:3] + [{"e": "done", "count": 1}])[:2] == ("crashed", 0)
+    assert status([good[0], {"e": "test", "i": 0, "v": [{"T": "opaque"}]}, good[2], good[3]])[:2] == ("failed", 1)
+    assert status([good[0], {"e": "test", "i": 0, "v": 3}, good[2], good[3]])[:2] == ("failed", 1)
+
+
+# --------------------------------------------------------------------------- never raise, never balloon
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_recursion_payload_and_huge_streams_are_limits(mode, host):
+    # 100 kB of '[' on every descriptor: once raised RecursionError out of run_sandboxed; now a
+    # results line that does not parse: forged or corrupt, 0 (it is under the line cap).
+    r = run("import os\nfor fd in range(1, 1024):\n    try:\n        os.write(fd, b'[' * 100_000 + b'\\n')\n"
+            "    except OSError:\n        pass\ndef add(a, b):\n    return a + b", FORGE_TESTS, mode)
+    assert (r.status, r.passed) == ("crashed", 0) and "RecursionError" in r.detail, r
+    # 256 MiB on every descriptor: bounded memory here, no deadline overrun.
+    start = time.monotonic()
+    r = run("import os\nchunk = b'x' * (1 << 20) + b'\\n'\nfor fd in range(1, 1024):\n    try:\n"
+            "        for _ in range(256):\n            os.write(fd, chunk)\n    except OSError:\n        pass\n"
+            + WRONG, FORGE_TESTS, mode, timeout_s=10.0)
+    assert r.status == "limit" and r.passed == 0 and len(r.output) <= (1 << 20), r
+    assert time.monotonic() - start < 10.0 + 5.0
+    r = run("import sys\nwhile True:\n    sys.stdout.write('x' * 1000 + '\\n')", ["assert 1 == 1"], mode,
+            output_bytes=100_000)
+    assert r.status == "limit" and len(r.output) == 100_000
+    r = run("print('y' * 300_000)", ["assert 1 == 1"], mode)  # one line over line_bytes (256 KiB)
+    assert r.status == "limit"
+    host.check()
+
+
+def _junk(rng: random.Random) -> bytes:
+    kind = rng.randrange(6)
+    n = rng.choice([0, 1, 7, 4095, 4096, 70_000, 300_000, 5_000_000])
+    if kind == 0:
+        return rng.randbytes(n)
+    if kind == 1:
+        return b"[" * n + b"\n"
+    if kind == 2:
+        return b"{" * n + b"\n"
+    if kind == 3:
+        return (json.dumps({"e": "test", "i": rng.randrange(-2, 4), "v": [rng.randrange(10)], "ok": True,
+                            "n": rng.choice(["", "0" * 32, None])}) + "\n").encode() * max(1, n // 64)
+    if kind == 4:
+        return b"\n" * n
+    return ("\udcff" * 3 + "é" * n).encode("utf-8", "surrogatepass")
+
+
+@pytest.mark.parametrize("mode", NS_MODES[:1] + ["unsafe"])
+def test_property_any_junk_on_any_stream_returns_a_result(mode):
+    """Generated junk written to stdout, stderr and every other descriptor, at random points
+    (before the tests, from inside a test, then exiting or not): always a SandboxResult, never a
+    pass for the wrong function, the caller's memory bounded."""
+    rng = random.Random(1234)
+    rss0 = rss_mb()
+    for case in range(24):
+        chunks = [(rng.choice([1, 2, -1]), _junk(rng)) for _ in range(rng.randrange(1, 4))]
+        exit_after = rng.random() < 0.3
+        where = rng.choice(["top", "test"])
+        body = (f"import os\nCHUNKS = {chunks!r}\n"
+                "def spray():\n    for fd, data in CHUNKS:\n        for d in ([fd] if fd > 0 else range(3, 512)):\n"
+                "            try:\n                os.write(d, data)\n            except OSError:\n                pass\n"
+                + ("    os._exit(0)\n" if exit_after else ""))
+        program = body + WRONG + ("spray()\n" if where == "top" else
+                                  "_add = add\ndef add(a, b):\n    spray()\n    return _add(a, b)\n")
+        r = run(program, FORGE_TESTS, mode, timeout_s=20.0)
+        assert r.status in STATUSES and r.passed == 0 and code_score(r, True)[0] == 0.0, (case, r.status, r.detail)
+    assert rss_mb() - rss0 < 64
+
+
+# --------------------------------------------------------------------------- resources
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_infinite_loop_and_sleep_time_out(mode):
     r = run("def f():\n    while True:\n        pass", ["assert f()"], mode, timeout_s=1.0)
     assert (r.status, r.passed) == ("timeout", 0)
-    r = run("import time\ntime.sleep(1000)", ["assert True"], mode, timeout_s=1.0)
+    r = run("import time\ntime.sleep(1000)", ["assert 1 == 1"], mode, timeout_s=1.0)
     assert r.status == "timeout"
     # The CPU-time limit fires on its own when the wall clock allows more.
-    r = run("while True:\n    pass", ["assert True"], mode, timeout_s=30.0, cpu_s=1)
+    r = run("while True:\n    pass", ["assert 1 == 1"], mode, timeout_s=30.0, cpu_s=1)
     assert (r.status, r.detail) == ("timeout", "CPU-time limit")
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_memory_bomb_hits_the_limit(mode):
-    r = run("x = bytearray(8 * 2**30)", ["assert True"], mode, memory_mb=512)
+    r = run("x = bytearray(8 * 2**30)", ["assert 1 == 1"], mode, memory_mb=512)
     assert r.status == "limit" and "MemoryError" in r.detail
     r = run("def f():\n    hog = []\n    while True:\n        hog.append(bytearray(2**24))", ["assert f()"], mode,
             memory_mb=512)
     assert (r.status, r.passed) == ("limit", 0)
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_process_creation_is_refused_by_default(mode):
-    r = run("import os\nwhile True:\n    os.fork()", ["assert True"], mode)
-    assert r.status in ("limit", "crashed") and r.passed == 0
-    r = run("import subprocess\ndef f():\n    return subprocess.Popen(['sleep', '1']).pid > 0", ["assert f()"], mode)
-    assert r.status in ("limit", "failed", "crashed") and r.passed == 0  # the hook refuses the import
 
 
 LINEAR_PROBE = """
@@ -135,141 +449,319 @@ def forks():
 """
 
 
-@pytest.mark.parametrize("mode", NS_MODES)
-def test_fork_bomb_is_bounded_and_killed(mode):
-    # Linear probe first: with max_processes=4 exactly 3 children can exist (the program is the 4th).
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_process_creation_is_refused_by_default_and_bounded_when_allowed(mode):
+    r = run(LINEAR_PROBE, ["assert forks() == 0"], mode)  # max_processes=1: no child at all
+    assert r.status == "passed" and "forks made: 0" in r.output, r
+    # With max_processes=4 exactly 3 children can exist under the run's fresh uid.
     r = run(LINEAR_PROBE, ["assert forks() == 3"], mode, max_processes=4)
     assert r.status == "passed" and "forks made: 3" in r.output, r
-    # Only now the real bomb: every process forks forever; the kernel caps the uid at 4 tasks, the
-    # deadline kills the group and the PID namespace takes every survivor with it.
-    r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", ["assert True"],
-            mode, timeout_s=2.0, max_processes=4)
+    # Only now the real bomb: the kernel caps the uid at 4 tasks, the deadline kills it all.
+    r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            ["assert 1 == 1"], mode, timeout_s=2.0, max_processes=4)
     assert r.status == "timeout" and r.passed == 0
 
 
-def test_fork_probe_in_fallback_makes_no_process():
-    r = run(LINEAR_PROBE, ["assert forks() == 3"], "fallback")
-    assert r.status == "failed" and "forks made: 0" in r.output
+# --------------------------------------------------------------------------- the host stays untouched
 
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_cannot_write_outside_the_working_directory(mode, tmp_path):
-    os.chmod(tmp_path, 0o777)  # world-writable: only the sandbox can stop the write
-    tag = uuid.uuid4().hex
-    outside = [str(tmp_path / "escape.txt"), f"/tmp/megadiv-escape-{tag}", f"/var/tmp/megadiv-escape-{tag}",
-               f"/dev/shm/megadiv-escape-{tag}", os.path.join(os.path.dirname(__file__), f"escape-{tag}")]
-    program = f"""
+# Each probe: a program whose test asserts that the attack worked. {tag}, {scratch}, {port},
+# {victim} and {keep} come from the Host fixture.
+PROBES = {
+    "env_read": """
 import os
-def escape():
-    wrote = []
-    for path in {outside!r}:
-        try:
-            with open(path, 'w') as f:
-                f.write('pwned')
-            wrote.append(path)
-        except OSError:
-            pass
-    try:
-        os.remove({str(tmp_path / 'keep.txt')!r})
-        wrote.append('removed')
-    except OSError:
-        pass
-    home = os.getcwd()
-    try:  # a relative path after moving out of the working directory
-        os.chdir({str(tmp_path)!r})
-        with open('relative.txt', 'w') as f:
-            f.write('pwned')
-        wrote.append('relative')
-    except OSError:
-        pass
-    finally:
-        os.chdir(home)
-    return wrote
-def inside():
-    with open('scratch.txt', 'w') as f:
-        f.write('ok')
-    return open('scratch.txt').read() == 'ok'
-"""
-    (tmp_path / "keep.txt").write_text("host file")
-    r = run(program, ["assert inside()", f"assert escape() == {outside + ['removed', 'relative']!r}"], mode)
-    assert (r.status, r.passed) == ("failed", 1)  # writing inside works, escaping does not
-    for path in outside + [str(tmp_path / "relative.txt")]:
-        assert not os.path.exists(path), path
-    assert (tmp_path / "keep.txt").read_text() == "host file"
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_cannot_read_the_callers_environment(mode, monkeypatch):
-    secret = f"s3cret-{uuid.uuid4().hex}"
-    monkeypatch.setenv("MEGADIV_TEST_SECRET", secret)
-    program = """
-import os
-def leak():
+def attack():
     seen = [repr(dict(os.environ))]
     for pid in ['self', '1', str(os.getppid())] + [p for p in os.listdir('/proc') if p.isdigit()]:
         try:
-            with open(f'/proc/{pid}/environ', 'rb') as f:
+            with open(f'/proc/{{pid}}/environ', 'rb') as f:
                 seen.append(f.read().decode(errors='replace'))
         except OSError:
             pass
-    text = ' '.join(seen)
-    print(text)
-    return text
-"""
-    r = run(program, [f"assert {secret!r} in leak()"], mode)
-    assert (r.status, r.passed) == ("failed", 0)
-    assert secret not in r.output and "HOME" in r.output  # it did read its own environment
-
-
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_no_network_to_the_host(mode):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        port = listener.getsockname()[1]
-        program = f"""
+    return 'MEGADIV_TEST_SECRET' in ' '.join(seen)
+""",
+    "write_outside": """
+import os
+def attack():
+    wrote = 0
+    for path in ['{scratch}/w-{tag}', '/tmp/w-{tag}', '/var/tmp/w-{tag}', '/dev/shm/w-{tag}']:
+        try:
+            with open(path, 'w') as f:
+                f.write('pwned')
+            wrote += 1
+        except OSError:
+            pass
+    try:
+        os.remove('{keep}')
+        wrote += 1
+    except OSError:
+        pass
+    return wrote > 0
+""",
+    "dir_fd_variants": """
+import os
+def attack():
+    done = 0
+    for d in ['{scratch}', '/tmp', '/dev/shm', '/var/tmp']:
+        try:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        for op in (lambda: os.close(os.open('o-{tag}', os.O_WRONLY | os.O_CREAT, dir_fd=dfd)),
+                   lambda: os.mkdir('m-{tag}', dir_fd=dfd),
+                   lambda: os.symlink('/etc/passwd', 's-{tag}', dir_fd=dfd),
+                   lambda: os.link('/proc/self/exe', 'l-{tag}', dst_dir_fd=dfd),
+                   lambda: os.rename('keep-{tag}', 'r-{tag}', src_dir_fd=dfd, dst_dir_fd=dfd)):
+            try:
+                op()
+                done += 1
+            except OSError:
+                pass
+    return done > 0
+""",
+    "loopback_connect": """
 import socket
-def connect():
+def attack():
     with socket.create_connection(('127.0.0.1', {port}), timeout=2) as s:
         s.sendall(b'hello')
     return True
-"""
-        r = run(program, ["assert connect()"], mode)
-        assert (r.status, r.passed) == ("failed", 0)
-        listener.setblocking(False)
-        with pytest.raises(BlockingIOError):  # no connection ever arrived
-            listener.accept()
-
-
-@pytest.mark.parametrize("mode", NS_MODES)
-def test_background_processes_die_with_the_sandbox(mode):
-    # Processes allowed: the program starts a detached `sleep` and a double-forked daemon that drops
-    # the sandbox's environment marker; both must be gone when run_sandboxed returns.
-    a, b = str(4_000_000 + uuid.uuid4().int % 1_000_000), str(5_000_000 + uuid.uuid4().int % 1_000_000)
-    program = f"""
-import os, subprocess
-def spawn():
-    subprocess.Popen(['sleep', '{a}'], start_new_session=True)
+""",
+    "kill_host_process": """
+import os, signal
+def attack():
+    hits = 0
+    for how in (lambda: os.kill({victim}, 9), lambda: os.killpg(os.getpgid({victim}), 9),
+                lambda: signal.pidfd_send_signal(os.pidfd_open({victim}), 9), lambda: os.kill(-1, 9)):
+        try:
+            how()
+            hits += 1
+        except OSError:
+            pass
+    return hits > 0
+""",
+    "sqlite3": """
+import sqlite3
+def attack():
+    db = sqlite3.connect('{scratch}/db-{tag}.sqlite')
+    db.execute('create table t (x)')
+    db.commit()
+    return True
+""",
+    "shm_open": """
+from multiprocessing import shared_memory
+def attack():
+    shm = shared_memory.SharedMemory(name='shm-{tag}', create=True, size=4096)
+    shm.close()  # not unlinked: a leftover segment if it reached the host's /dev/shm
+    return True
+""",
+    "mkfifo_mknod": """
+import os, stat
+def attack():
+    made = 0
+    for path, mode, dev in (('{scratch}/fifo-{tag}', stat.S_IFIFO | 0o666, 0), ('/tmp/fifo-{tag}', stat.S_IFIFO | 0o666, 0),
+                            ('mem-{tag}', stat.S_IFCHR | 0o666, os.makedev(1, 1))):
+        try:
+            os.mknod(path, mode, dev)
+            made += 1
+        except OSError:
+            pass
+    try:
+        os.mkfifo('/dev/shm/fifo-{tag}')
+        made += 1
+    except OSError:
+        pass
+    return made > 0
+""",
+    "setxattr": """
+import os
+def attack():
+    os.setxattr('{keep}', 'user.pwned', b'{tag}')
+    return True
+""",
+    "leftover_daemon": """
+import os, ctypes
+def attack():
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            os.execve('/bin/sleep', ['sleep', '{b}'], {{}})
+            try:
+                ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # clear PDEATHSIG
+            except Exception:
+                pass
+            os.execve('/bin/sleep', ['sleep', '7{tag_digits}'], {{}})
         os._exit(0)
     os.wait()
-    print('spawned')
     return True
-"""
-    r = run(program, ["assert spawn()"], mode, max_processes=8)
-    assert r.status == "passed" and "spawned" in r.output, r
-    assert live_cmdlines_containing(f"sleep {a}") == [] and live_cmdlines_containing(f"sleep {b}") == []
+""",
+    "io_uring_and_friends": """
+import ctypes, errno
+def attack():
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)
+    ok = []
+    # io_uring_setup, unshare(CLONE_NEWUSER), clone(CLONE_NEWUSER | SIGCHLD), bpf, keyctl,
+    # perf_event_open, ptrace(PTRACE_TRACEME), mount
+    for nr, args in ((425, (8, params)), (272, (0x10000000,)), (56, (0x10000000 | 17, 0, 0, 0, 0)), (321, (0, 0, 0)),
+                     (250, (0, 0)), (298, (0, 0, -1, -1, 0)), (101, (0, 0, 0, 0)), (165, (0, 0, 0, 0, 0))):
+        if libc.syscall(nr, *args) >= 0:
+            ok.append(nr)
+        elif ctypes.get_errno() != errno.EPERM:
+            ok.append((nr, ctypes.get_errno()))
+    print('allowed:', ok)
+    return ok != []
+""",
+}
+
+
+def _probe_source(name: str, host: Host) -> str:
+    digits = str(int(host.tag, 16) % 10**9)
+    return PROBES[name].format(tag_digits=digits, **host.names())
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_cannot_signal_other_processes_and_output_is_capped(mode):
-    r = run("import os\ndef f():\n    os.kill(os.getppid(), 9)\n    return True", ["assert f()"], mode)
-    assert (r.status, r.passed) == ("failed", 0)
-    r = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", ["assert True"], mode, output_bytes=100_000)
-    assert r.status == "limit" and len(r.output) == 100_000
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_probe_is_contained(mode, probe, host, monkeypatch):
+    """The host is unchanged after every probe. Probes against host paths may "succeed" on the
+    sandbox's private /tmp (namespaces mode): contained. Those in MUST_FAIL may not succeed at all."""
+    if probe == "io_uring_and_friends" and os.uname().machine != "x86_64":
+        pytest.skip("the probe uses x86_64 syscall numbers")
+    if mode == "unsafe" and probe in UNSAFE_NOT_CONTAINED:
+        pytest.skip(f"unsafe mode does not contain {probe} (docs/security.md)")
+    monkeypatch.setenv("MEGADIV_TEST_SECRET", host.tag)
+    r = run(_probe_source(probe, host), ["assert attack()"], mode, max_processes=8 if probe == "leftover_daemon" else 1)
+    if probe in MUST_FAIL:
+        assert r.passed == 0, (r.status, r.detail, r.output)
+    if probe == "leftover_daemon":  # the daemon may start; it must be gone when run_sandboxed returns
+        assert live_cmdlines_containing("sleep 7" + str(int(host.tag, 16) % 10**9)) == []
+    if probe == "io_uring_and_friends" and mode == "namespaces-os":
+        assert "allowed: []" in r.output  # every call was refused with EPERM by seccomp
+    host.check()
+
+
+MUST_FAIL = {"env_read", "loopback_connect", "kill_host_process", "io_uring_and_friends", "setxattr"}
+def _landlock_abi() -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return max(0, libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+
+
+# unsafe mode runs on the host's filesystem: without Landlock, what only the audit hook guards it misses.
+UNSAFE_NOT_CONTAINED = set() if _landlock_abi() >= 1 else {"dir_fd_variants", "mkfifo_mknod"}
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_no_leftovers_in_dev_shm_tmp_or_cgroups(mode):
+    before_tmp = {n for n in os.listdir("/tmp") if n.startswith(f"megadiv-sandbox-{os.getpid()}-")}
+    r = run("import os\nopen('x', 'w').write('y')\ndef f():\n    return os.getcwd()", ["assert f() == '/'"], mode)
+    assert r.status == "failed"
+    after_tmp = {n for n in os.listdir("/tmp") if n.startswith(f"megadiv-sandbox-{os.getpid()}-")}
+    assert after_tmp == before_tmp == set()
+    from megadiv.rewards.sandbox import _cgroup_base
+
+    if _cgroup_base():
+        assert [n for n in os.listdir(_cgroup_base()) if n.startswith(f"megadiv-sandbox-{os.getpid()}-")] == []
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_never_root_no_capabilities(mode):
+    program = """
+import os
+def who():
+    with open('/proc/self/status') as f:
+        caps = [l.split()[1] for l in f if l.startswith(('CapEff', 'CapPrm', 'NoNewPrivs', 'Seccomp:'))]
+    print(os.getresuid(), os.getresgid(), os.getgroups(), caps)
+    return [min(os.getresuid()) > 0, min(os.getresgid()) > 0, os.getgroups(), caps]
+"""
+    r = run(program, ["assert who() == [True, True, [], ['0000000000000000', '0000000000000000', '1', '2']]"], mode)
+    assert r.status == "passed", (r.detail, r.output)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_program_runs_in_the_runs_cgroup(mode):
+    from megadiv.rewards.sandbox import _cgroup_base
+
+    if not _cgroup_base():
+        pytest.skip("no writable cgroup v2 here: rlimits only")
+    program = "def where():\n    return [l for l in open('/proc/self/cgroup') if l.startswith('0::')][0]"
+    r = run(program, [f"assert where().startswith('0::') and 'megadiv-sandbox-{os.getpid()}-' in where()"], mode)
+    assert r.status == "passed", (r.detail, r.output)
+
+
+def test_seccomp_program_is_well_formed():
+    for arch in (0xC000003E, 0xC00000B7):
+        prog = seccomp_program(arch)
+        assert len(prog) < 256
+        for i, (code, jt, jf, _) in enumerate(prog):
+            if code & 0x07 == 0x05:  # BPF_JMP: targets stay inside the program
+                assert 0 <= jt and 0 <= jf and i + 1 + max(jt, jf) < len(prog)
+        assert prog[-1][0] == 0x06 and prog[2] == (0x06, 0, 0, 0x80000000)  # wrong arch: killed
+
+
+# --------------------------------------------------------------------------- no silent downgrade
+
+
+REFUSAL_DRIVER = """
+import json, sys
+from megadiv.rewards import SandboxError, SandboxLimits, run_sandboxed
+out = {}
+for name, program in json.loads(sys.stdin.read()).items():
+    try:
+        run_sandboxed(program, ['assert attack()'], 10.0)
+        out[name] = 'ran'
+    except SandboxError as e:
+        out[name] = 'refused: ' + str(e)
+r = run_sandboxed('import os\\ndef who():\\n    return os.getresuid()', ['assert min(who()) > 0'], 10.0,
+                  limits=SandboxLimits(isolation='unsafe'))
+out['unsafe'] = [r.status, r.detail]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not (ROOT_LINUX and SETPRIV), reason="needs root and setpriv")
+def test_auto_refuses_without_namespaces_and_unsafe_runs_without_root(host, monkeypatch):
+    """Under setpriv --bounding-set -sys_admin (root, but unshare is refused) auto refuses every
+    probe before it runs, with an error naming what is missing and the opt-in; unsafe runs
+    programs as a non-root uid."""
+    monkeypatch.setenv("MEGADIV_TEST_SECRET", host.tag)
+    programs = {name: _probe_source(name, host) for name in PROBES} | {
+        f"forgery_{name}": src + "\ndef attack():\n    return add(1, 2) == 3" for name, src in FORGERIES.items()}
+    proc = subprocess.run([SETPRIV, "--bounding-set", "-sys_admin", sys.executable, "-c", REFUSAL_DRIVER],
+                          input=json.dumps(programs), capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out.pop("unsafe") == ["passed", ""]
+    assert set(out) == set(programs)
+    for name, verdict in out.items():
+        assert verdict.startswith("refused: sandbox: no real isolation"), (name, verdict)
+        assert "Operation not permitted" in verdict and "CAP_SYS_ADMIN" in verdict
+        assert "reward.sandbox_isolation=unsafe" in verdict
+    host.check()
+
+
+def test_auto_refuses_without_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxError, match="namespaces need root.*reward.sandbox_isolation=unsafe"):
+        run_sandboxed("", ["assert 1 == 1"], 5.0)
+
+
+def test_code_reward_warns_every_unsafe_batch(caplog):
+    from megadiv.rewards import RewardConfig, build_reward
+    from megadiv.data.datasets import Record
+
+    reward = build_reward(RewardConfig(name="code", sandbox_isolation="unsafe", workers=1))
+    try:
+        rec = Record(id="x", prompt="add", tests=("assert add(1, 2) == 3",))
+        for _ in range(2):
+            out = reward(["```python\ndef add(a, b):\n    return a + b\n```"], [rec])
+            assert out.scores == [1.0]
+        assert sum("sandbox_isolation=unsafe" in m for m in caplog.messages) == 2
+    finally:
+        reward.close()
+
+
+# --------------------------------------------------------------------------- clean-up
 
 
 def _descendants(pid: int) -> set[int]:
@@ -290,16 +782,13 @@ def _descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_sandbox_dies_with_a_killed_caller(mode):
-    import subprocess
-    import time
-
+def test_sandbox_dies_with_a_killed_caller_and_its_leftovers_are_swept(mode):
     caller = subprocess.Popen([sys.executable, "-c", (
         "from megadiv.rewards import SandboxLimits, run_sandboxed\n"
-        f"run_sandboxed('import time\\ntime.sleep(1000)', ['assert True'], 600.0, "
-        f"limits=SandboxLimits(**{MODES[mode]!r}))")])
+        f"run_sandboxed('import time\\ntime.sleep(1000)', ['assert 1 == 1'], 600.0, "
+        f"limits=SandboxLimits(**{MODES[mode]!r}))")], env={**os.environ, "PYTHONPATH": REPO})
     try:
-        expected = 2 if mode == "fallback" else 3  # runner, (namespace init,) program
+        expected = 2 if mode == "unsafe" else 3  # runner, (namespace init,) program
         deadline = time.monotonic() + 60
         while len(_descendants(caller.pid)) < expected and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -309,15 +798,16 @@ def test_sandbox_dies_with_a_killed_caller(mode):
         caller.kill()
         caller.wait()
     deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) for pid in sandbox) and \
-            time.monotonic() < deadline:
+    while any(not _is_zombie(pid) for pid in sandbox) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [pid for pid in sandbox if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)] == []
+    assert [pid for pid in sandbox if not _is_zombie(pid)] == []
+    # The killed caller's work directory and cgroup are swept by the next process's first run.
+    stale = f"megadiv-sandbox-{caller.pid}-"
+    subprocess.run([sys.executable, "-c", "from megadiv.rewards import SandboxLimits, run_sandboxed\n"
+                    f"run_sandboxed('', ['assert 1 == 1'], 10.0, limits=SandboxLimits(**{MODES[mode]!r}))"],
+                   check=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert [n for n in os.listdir("/tmp") if n.startswith(stale)] == []
+    from megadiv.rewards.sandbox import _cgroup_base
 
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except OSError:
-        return True
+    if _cgroup_base():
+        assert [n for n in os.listdir(_cgroup_base()) if n.startswith(stale)] == []

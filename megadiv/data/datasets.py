@@ -195,6 +195,10 @@ def _jsonl(cfg: DataConfig) -> list[Record]:
             return row[key]
         answer = get(cfg.answer_field, (str, int, float))
         tests = get(cfg.tests_field, (list,))
+        if tests is not None and (not tests or not all(isinstance(t, str) and t.strip() for t in tests)):
+            # Zero tests would grade every program as correct (or, now, as wrong): a dataset error.
+            raise DatasetError(f"{path}: row {n} field {cfg.tests_field!r} must be a non-empty list of "
+                               f"test statements, got {tests!r:.200}")
         records.append(Record(id=str(get(cfg.id_field, (str, int)) if cfg.id_field else n),
                               prompt=get(cfg.prompt_field, (str,)), answer=None if answer is None else str(answer),
                               tests=tuple(tests or ())))

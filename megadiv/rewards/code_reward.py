@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import ast
+import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 from megadiv.rewards.base import RewardResult
-from megadiv.rewards.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from megadiv.rewards.sandbox import SandboxError, SandboxLimits, SandboxResult, run_sandboxed
+
+log = logging.getLogger(__name__)
 
 # ```python ... ``` (also ```py, ```python3, or a bare ```); the language tag is group 1.
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
@@ -41,7 +44,7 @@ def extract_program(response: str) -> Optional[str]:
 
 def code_score(result: SandboxResult, partial_credit: bool) -> tuple[float, str]:
     """(score, reason): 1 when every assert passed; with partial credit a failed run earns
-    passed/total; a timeout, crash or limit earns 0."""
+    passed/total; a timeout, crash (forged results included) or limit earns 0, and so do zero tests."""
     if result.status == "passed":
         return 1.0, "correct"
     if result.status == "failed":
@@ -50,10 +53,16 @@ def code_score(result: SandboxResult, partial_credit: bool) -> tuple[float, str]
 
 
 class CodeReward:
-    """Scores responses against ``record.tests``; ``workers`` sandboxes run at once."""
+    """Scores responses against ``record.tests``; ``workers`` sandboxes run at once.
+
+    Checks at construction that the sandbox can run (a trivial program): without real isolation
+    (and no explicit ``unsafe`` opt-in) the SandboxError comes before training starts."""
 
     def __init__(self, workers: int, timeout_s: float, partial_credit: bool, limits: SandboxLimits):
         self.timeout_s, self.partial_credit, self.limits = timeout_s, partial_credit, limits
+        probe = run_sandboxed("", ["assert True"], max(timeout_s, 30.0), limits=limits)
+        if probe.status != "passed":
+            raise SandboxError(f"the sandbox cannot run a trivial program: {probe.status} ({probe.detail})")
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megadiv-sandbox")
 
     def score(self, response: str, record) -> tuple[float, str]:
@@ -64,6 +73,10 @@ class CodeReward:
         return code_score(result, self.partial_credit)
 
     def __call__(self, responses: Sequence[str], records: Sequence) -> RewardResult:
+        if self.limits.isolation == "unsafe":
+            log.warning("code reward: running %d untrusted programs with reward.sandbox_isolation=unsafe "
+                        "(no namespaces: the host filesystem is readable, guards are an audit hook, "
+                        "see docs/security.md)", len(responses))
         out = list(self._pool.map(self.score, responses, records))
         return RewardResult([s for s, _ in out], [r for _, r in out])
 

@@ -31,8 +31,10 @@ class RewardConfig:
     """code: open files the program may hold (RLIMIT_NOFILE)."""
     sandbox_output_kb: int = 1024
     """code: stdout + stderr a program may write before it is stopped."""
-    sandbox_isolation: Literal["auto", "namespaces", "fallback"] = "auto"
-    """code: namespaces (Linux, root), fallback (rlimits + audit hook), auto (the first that works)."""
+    sandbox_isolation: Literal["auto", "namespaces", "unsafe"] = "auto"
+    """code: namespaces (Linux, root with CAP_SYS_ADMIN); auto (namespaces, or refuse to run code with
+    an error saying what is missing); unsafe (explicit opt-in: host filesystem readable, audit-hook
+    guards, a warning every batch; see docs/security.md)."""
 
     def __post_init__(self):
         from megadiv.rewards.registry import REWARDS
@@ -49,5 +51,8 @@ class RewardConfig:
             raise ValueError(f"reward.format_weight must be >= 0, got {self.format_weight}")
         if self.sandbox_memory_mb < 64:
             raise ValueError(f"reward.sandbox_memory_mb must be >= 64, got {self.sandbox_memory_mb}")
+        if self.sandbox_isolation not in ("auto", "namespaces", "unsafe"):
+            raise ValueError(f"reward.sandbox_isolation must be auto, namespaces or unsafe, got "
+                             f"{self.sandbox_isolation!r}")
         if self.sandbox_max_open_files < 16:
             raise ValueError(f"reward.sandbox_max_open_files must be >= 16, got {self.sandbox_max_open_files}")
