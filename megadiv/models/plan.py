@@ -67,6 +67,11 @@ class Workload:
     """Layer implementation the activations are counted for (GPU: Transformer Engine)."""
     server_fraction: float = 0.0
     """GPU memory fraction a colocated SGLang server reserves (rollout.mem_fraction_static)."""
+    bucket_bytes: int = 0
+    """rollout.bucket_bytes: every rank holds one gathered bucket during a weight sync
+    (megadiv.models.export) ..."""
+    rank0_bucket_copies: int = 0
+    """... and global rank 0 this many more (the flattened copy sent to each server)."""
     reserve_bytes: int = 3 * GiB
     """CUDA context, NCCL buffers, allocator fragmentation: held back from every GPU."""
 
@@ -336,7 +341,9 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
             "activations": held * (layers * per_layer + boundary),
             "logits": logits, "log_prob_chunk": chunk,
             "reference_weights": sum(p.numel for p in params) * DTYPE_BYTES[dt] if work.reference else 0,
-            "colocated_server": int(work.server_fraction * gpu_bytes),
+            # a launched server sits on global rank 0's node: GPUs of the first stage (ranks are tp-dp-pp)
+            "colocated_server": int(work.server_fraction * gpu_bytes) if first else 0,
+            "weight_sync_buckets": work.bucket_bytes * (1 + work.rank0_bucket_copies * first),
             "reserve": work.reserve_bytes,
         }
         stages.append(StagePlan(stage, layers, components))
