@@ -117,11 +117,13 @@ class FleetEngine:
                 _raise_first_failure(futures)
             for url, feed in feeds.items():
                 feed.put(_END, futures[url])
-            wait(futures.values(), timeout=self.cfg.sync_timeout_s * 2 + 60)
+            # what is left per member: its queued buckets, the session end and the version, each
+            # bounded by the member's own sync_timeout_s
+            wait(futures.values(), timeout=self.cfg.sync_timeout_s * (QUEUE_DEPTH + 3))
             _raise_first_failure(futures)
         except BaseException as e:
             for url, feed in feeds.items():
-                feed.abort(f"weight sync {version!r} aborted on {url}: another server failed ({_short(e)})")
+                feed.abort(f"weight sync {version!r} aborted on {url}: {_short(e)}")
             wait(futures.values(), timeout=self.cfg.sync_timeout_s + 60)
             raise
         if not all(f.done() for f in futures.values()):

@@ -40,9 +40,12 @@ def allocations(ctx) -> list[dict]:
         shutdown(keep_default_group=True)
         cfg = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)
         initialize(cfg, seed=3)
-        for name, hf_dir in ctx.args["models"].items():
+        # SGD (never the distributed optimizer) at one layout; Adam at all of them
+        runs = [(name, hf_dir, opt) for name, hf_dir in ctx.args["models"].items()
+                for opt in (("adam", "sgd") if tp * pp == 1 else ("adam",))]
+        for name, hf_dir, optimizer in runs:
             actor = Policy(ModelConfig(hf_dir=hf_dir, params_dtype="bfloat16"), cfg, "actor",
-                           OptimConfig(optimizer=ctx.args["optimizer"], lr=1e-3))
+                           OptimConfig(optimizer=optimizer, lr=1e-3))
             actor.optimizer.step()  # zero gradients: creates the optimizer state
             buffers = [buf for chunk in actor.chunks for buf in chunk.buffers]
             inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
@@ -51,7 +54,7 @@ def allocations(ctx) -> list[dict]:
                       if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
             gpt = actor.model.gpt_models[0]
             record = {
-                "model": name, "tp": tp, "pp": pp, "dp": parallel_state.get_data_parallel_world_size(),
+                "model": name, "opt": optimizer, "tp": tp, "pp": pp, "dp": parallel_state.get_data_parallel_world_size(),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                 "dp_rank": parallel_state.get_data_parallel_rank(),
@@ -62,7 +65,7 @@ def allocations(ctx) -> list[dict]:
                 "main_params": sum(p.numel() * p.element_size() for p in main if p.dtype == torch.float32),
                 "optimizer": sum(t.numel() * t.element_size() for t in states),
             }
-            if pp == 1:
+            if pp == 1 and optimizer == "adam":
                 g = torch.Generator().manual_seed(0)
                 tokens = torch.randint(0, 90, (ctx.args["micro_batch"], ctx.args["seq_len"]), generator=g)
                 record["saved_activations"] = _saved_activation_bytes(actor.chunks[0], tokens)
