@@ -19,7 +19,7 @@ from megadiv.rollout import (ProbeBatch, RolloutConfig, RolloutError, SamplingPa
 from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.sglang_server import live_group_members
 from megadiv.rollout.weight_sync import post
-from tests.test_rollout import TOL, Reference, base, buckets_of, hf_dir, perturbed, reference  # noqa: F401 (fixtures)
+from tests.test_rollout import TOL, base, buckets_of, hf_dir, perturbed, reference  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -70,7 +70,8 @@ def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLog
     return max(reports.values(), key=lambda r: r.mean_abs)
 
 
-def _compare(engine: RolloutEngine, probe: ProbeBatch, expected: Sequence[torch.Tensor], version: str) -> MismatchReport:
+def _compare(engine: RolloutEngine, probe: ProbeBatch, expected: Sequence[torch.Tensor],
+             version: str) -> MismatchReport:
     got = engine.score(probe.prompts, probe.responses)
     if len(expected) != len(got) or any(e.numel() != g.numel() for e, g in zip(expected, got)):
         raise ValueError(f"trainer log-probs have shapes {[tuple(e.shape) for e in expected]}, the probe's "

@@ -54,7 +54,8 @@ def allocations(ctx) -> list[dict]:
                       if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
             gpt = actor.model.gpt_models[0]
             record = {
-                "model": name, "opt": optimizer, "tp": tp, "pp": pp, "dp": parallel_state.get_data_parallel_world_size(),
+                "model": name, "opt": optimizer, "tp": tp, "pp": pp,
+                "dp": parallel_state.get_data_parallel_world_size(),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                 "dp_rank": parallel_state.get_data_parallel_rank(),
