@@ -1,9 +1,9 @@
 """Every published recipe composition parses and validates (keys, types, combinations)."""
 import itertools
-import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megadiv.config import load_config
 from megadiv.trainer.config import TrainConfig
@@ -13,29 +13,26 @@ MODELS = sorted((EXAMPLES / "gsm8k" / "models").glob("*.yaml"))
 ALGORITHMS = sorted((EXAMPLES / "gsm8k" / "algorithms").glob("*.yaml"))
 
 
-@pytest.fixture(scope="module")
-def checkpoint_stub(tmp_path_factory):
-    """A config.json with Qwen3-8B's head counts, standing in for the real checkpoints."""
-    d = tmp_path_factory.mktemp("qwen3-8b")
-    (d / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
-                                               "num_hidden_layers": 36}))
-    return d
+def shipped_config_dir(model_file: Path) -> Path:
+    """examples/hf_configs/<name>: the public config.json of the checkpoint the recipe names."""
+    return EXAMPLES / "hf_configs" / Path(yaml.safe_load(model_file.read_text())["model"]["hf_dir"]).name
 
 
 @pytest.mark.parametrize("model,algorithm", list(itertools.product(MODELS, ALGORITHMS)),
                          ids=lambda p: p.stem)
-def test_gsm8k_recipes_validate(model, algorithm, checkpoint_stub):
+def test_gsm8k_recipes_validate(model, algorithm):
+    """Against each recipe's own architecture (head counts, layers: TP and PP must divide them)."""
     cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", model, algorithm],
-                      [f"model.hf_dir={checkpoint_stub}"])
+                      [f"model.hf_dir={shipped_config_dir(model)}"])
     assert cfg.data.name == "gsm8k" and cfg.reward.name == "math" and cfg.rollout.engine == "sglang"
     assert cfg.advantage.group_size == cfg.rollout.n_samples
 
 
-def test_recipe_algorithms_mean_what_they_say(checkpoint_stub):
+def test_recipe_algorithms_mean_what_they_say():
     def algo(name):
         return load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", MODELS[0],
                                          EXAMPLES / "gsm8k" / "algorithms" / f"{name}.yaml"],
-                           [f"model.hf_dir={checkpoint_stub}"])
+                           [f"model.hf_dir={shipped_config_dir(MODELS[0])}"])
     assert algo("dapo").loss.eps_high == 0.28 and algo("dapo").grpo.dynamic_sampling
     assert algo("kl3").loss.policy_loss == "divergence_clip" and algo("kl3").loss.measure == "k3"
     assert algo("dr_grpo").advantage.estimator == "dr_grpo" and algo("grpo").loss.kl_coef == 0.04

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from megadiv.config import ConfigError, from_dict
-from megadiv.rollout import ProbeBatch, RolloutConfig, SamplingParams, WeightSyncError
+from megadiv.rollout import ProbeBatch, RolloutConfig, SamplingParams, WeightSyncError, resolve_engine_name
+from megadiv.rollout.fleet import split_evenly
 from megadiv.rollout.sglang_server import CPU_STANDINS, child_env, launch_command
 from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manifest
 
@@ -15,7 +16,8 @@ from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manif
 @pytest.mark.parametrize("key, value", [
     ("n_samples", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("max_new_tokens", 0),
     ("bucket_bytes", 0), ("sync_timeout_s", 0.0), ("mismatch_threshold", 0.0), ("server_urls", ("node7:30000",)),
-    ("stop_token_ids", (-1,)), ("mem_fraction_static", 1.0), ("server_tp", 0),
+    ("stop_token_ids", (-1,)), ("mem_fraction_static", 1.0), ("server_tp", 0), ("num_servers", 0),
+    ("server_urls", ("http://a:1", "http://a:1")),
 ])
 def test_config_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"rollout.{key}"):
@@ -31,6 +33,22 @@ def test_config_loads_from_yaml_dict_with_types_checked():
     with pytest.raises(ConfigError, match="server_urls"):
         RolloutConfig(engine="embedded", server_urls=("http://a:1",))
     assert SamplingParams.from_config(cfg).stop_token_ids == (2, 7)
+
+
+def test_a_fleet_is_launched_or_attached_not_both():
+    with pytest.raises(ConfigError, match="rollout.num_servers .*set one of the two"):
+        RolloutConfig(engine="sglang", num_servers=2, server_urls=("http://a:1", "http://b:2"))
+    with pytest.raises(ConfigError, match="rollout.num_servers .*engine 'sglang'"):
+        RolloutConfig(engine="embedded", num_servers=2)
+    assert resolve_engine_name(RolloutConfig(num_servers=2)) == "sglang"
+
+
+def test_fleet_splits_prompts_in_order_with_balance():
+    """Contiguous prompt slices, sizes differing by at most one: a prompt's samples (its group)
+    stay on one server and the concatenated results keep prompt order."""
+    assert split_evenly(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert split_evenly(2, 3) == [slice(0, 1), slice(1, 2), slice(2, 2)]
+    assert [s.stop - s.start for s in split_evenly(17, 4)] == [5, 4, 4, 4]
 
 
 def test_flatten_bucket_aligns_every_tensor_and_round_trips():

@@ -6,7 +6,9 @@
 - embedded.py: transformers in the trainer process (small models, CPU default)
 - sglang_engine.py, sglang_server.py, weight_sync.py: SGLang servers, launched or attached, and
   weight sync by process-group broadcast, CUDA-IPC handles or disk
-- mismatch.py: the post-sync log-prob check against the trainer
+- fleet.py: ``FleetEngine``, several servers (one SGLangEngine each): prompt groups spread over
+  them, every update to every server
+- mismatch.py: the post-sync log-prob check against the trainer (on every server of a fleet)
 - sglang_cpu/: stand-in modules for SGLang's CPU server process only (see its README)
 
 See docs/rollout.md.

@@ -34,7 +34,11 @@ class RolloutConfig:
 
     # -- SGLang servers --
     server_urls: tuple[str, ...] = ()
-    """Attach to these running servers (``http://host:port``, any node) instead of launching one."""
+    """Attach to these running servers (``http://host:port``, any node) instead of launching any;
+    with several, each rollout batch is spread over them by prompt groups (docs/rollout.md)."""
+    num_servers: int = 1
+    """Servers to launch on this node when ``server_urls`` is empty (each ``server_tp`` GPUs);
+    with several, each rollout batch is spread over them by prompt groups."""
     server_tp: int = 1
     """Tensor-parallel size of a launched server (GPU only; CPU servers run TP=1)."""
     mem_fraction_static: float = 0.8
@@ -80,7 +84,7 @@ class RolloutConfig:
         def fail(key: str, why: str):
             raise ConfigError(f"rollout.{key} {why}, got {getattr(self, key)!r}")
 
-        for key in ("n_samples", "max_new_tokens", "server_tp", "bucket_bytes", "probe_prompts",
+        for key in ("n_samples", "max_new_tokens", "server_tp", "num_servers", "bucket_bytes", "probe_prompts",
                     "probe_prompt_len", "probe_response_len"):
             if getattr(self, key) < 1:
                 fail(key, "must be >= 1")
@@ -103,3 +107,10 @@ class RolloutConfig:
                 fail("server_urls", f"entries must start with http:// or https:// ({url!r} does not)")
         if self.server_urls and self.engine == "embedded":
             fail("server_urls", "are only used by engine 'sglang' (engine is 'embedded')")
+        if self.num_servers > 1 and self.server_urls:
+            fail("num_servers", f"launches servers, but rollout.server_urls attaches to {len(self.server_urls)} "
+                                "running ones: set one of the two")
+        if self.num_servers > 1 and self.engine == "embedded":
+            fail("num_servers", "is only used by engine 'sglang' (engine is 'embedded')")
+        if len(set(self.server_urls)) != len(self.server_urls):
+            fail("server_urls", "must not repeat a server")

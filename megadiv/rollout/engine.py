@@ -1,8 +1,9 @@
 """The rollout engine protocol: what the trainer needs from whatever generates its completions.
 
 Two implementations: :class:`megadiv.rollout.embedded.EmbeddedEngine` (transformers in the
-trainer process) and :class:`megadiv.rollout.sglang_engine.SGLangEngine` (SGLang servers, launched
-or attached). The GRPO loop only sees this protocol::
+trainer process) and :class:`megadiv.rollout.sglang_engine.SGLangEngine` (an SGLang server, launched
+or attached); :class:`megadiv.rollout.fleet.FleetEngine` holds one SGLangEngine per server when
+there are several. The GRPO loop only sees this protocol::
 
     engine = make_engine(cfg.rollout, hf_dir)
     groups = engine.generate(prompt_ids, SamplingParams.from_config(cfg.rollout))  # [prompt][sample]
@@ -126,7 +127,7 @@ def resolve_engine_name(cfg: RolloutConfig) -> str:
     """``auto`` -> sglang when CUDA and sglang are present (or servers are given), else embedded."""
     if cfg.engine != "auto":
         return cfg.engine
-    if cfg.server_urls:
+    if cfg.server_urls or cfg.num_servers > 1:
         return "sglang"
     import importlib.util
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
@@ -137,6 +138,9 @@ def make_engine(cfg: RolloutConfig, hf_dir: str) -> RolloutEngine:
     if resolve_engine_name(cfg) == "embedded":
         from megadiv.rollout.embedded import EmbeddedEngine
         return EmbeddedEngine(hf_dir, cfg)
+    if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
+        from megadiv.rollout.fleet import FleetEngine
+        return FleetEngine(hf_dir, cfg)
     from megadiv.rollout.sglang_engine import SGLangEngine
     return SGLangEngine(hf_dir, cfg)
 

@@ -54,8 +54,24 @@ def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLog
                    version: str) -> MismatchReport:
     """Score ``probe`` with the engine, compare with the trainer's log-probs (a list of
     [len(response)] tensors, or a callable producing it); log the figures; raise WeightSyncError
-    when the mean absolute difference exceeds ``threshold``."""
+    when the mean absolute difference exceeds ``threshold``. A fleet (an engine with ``members``,
+    megadiv.rollout.fleet) is checked server by server: every server scores the whole probe, the
+    error names each one above the threshold, and the report is the worst server's."""
     expected = trainer(probe) if callable(trainer) else trainer
+    members = getattr(engine, "members", None) or {"the engine": engine}
+    reports = {name: _compare(member, probe, expected, version) for name, member in members.items()}
+    bad = {name: r for name, r in reports.items() if not r.mean_abs <= threshold}  # NaN fails too
+    if bad:
+        figures = "; ".join(f"{name}: mean {r.mean_abs:.3g} (max {r.max_abs:.3g})" for name, r in bad.items())
+        raise WeightSyncError(f"after weight sync {version!r}: the engine's log-probs differ from the trainer's over "
+                              f"{next(iter(bad.values())).tokens} probe tokens, above rollout.mismatch_threshold="
+                              f"{threshold} ({figures}): not serving the trainer's weights (stale, missing or "
+                              f"misnamed tensors?)")
+    return max(reports.values(), key=lambda r: r.mean_abs)
+
+
+def _compare(engine: RolloutEngine, probe: ProbeBatch, expected: Sequence[torch.Tensor],
+             version: str) -> MismatchReport:
     got = engine.score(probe.prompts, probe.responses)
     if len(expected) != len(got) or any(e.numel() != g.numel() for e, g in zip(expected, got)):
         raise ValueError(f"trainer log-probs have shapes {[tuple(e.shape) for e in expected]}, the probe's "
@@ -63,11 +79,6 @@ def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLog
     diff = torch.cat([(g.double().flatten() - e.detach().double().cpu().flatten()).abs()
                       for e, g in zip(expected, got)])
     report = MismatchReport(version, float(diff.mean()), float(diff.max()), diff.numel())
-    log.info("log-prob mismatch after sync %s: mean |d| %.3g, max |d| %.3g over %d probe tokens", version,
-             report.mean_abs, report.max_abs, report.tokens)
-    if not report.mean_abs <= threshold:  # NaN fails too
-        raise WeightSyncError(f"after weight sync {version!r}: the engine's log-probs differ from the trainer's by "
-                              f"mean {report.mean_abs:.3g} (max {report.max_abs:.3g}) over {report.tokens} probe "
-                              f"tokens, above rollout.mismatch_threshold={threshold}: the engine is not serving "
-                              f"the trainer's weights (stale, missing or misnamed tensors?)")
+    log.info("log-prob mismatch after sync %s on %s: mean |d| %.3g, max |d| %.3g over %d probe tokens", version,
+             getattr(engine, "urls", ["the engine"])[0], report.mean_abs, report.max_abs, report.tokens)
     return report

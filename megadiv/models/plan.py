@@ -1,0 +1,369 @@
+"""Memory planner: what one GPU holds for a model at a TP x PP x DP layout, before launching.
+
+    arch = arch_from_hf_config(json.load(open("Qwen2.5-32B/config.json")))
+    plan = plan_layout(arch, Layout(tp=8, pp=2, dp=1), Workload(micro_batch_size=2, seq_len=2048))
+    plan.per_gpu_bytes, plan.components        # the worst pipeline stage, by component
+
+Parameters, gradients and optimizer state are counted the way megatron-core 0.16 allocates them
+for megadiv's model (megadiv.models.builder + trainer.policy): the per-rank parameter list of each
+pipeline stage (the padded vocabulary, TP shards, the tied output copy on the last stage), laid out
+in DDP's contiguous buffers (``distributed/param_and_grad_buffer.py``: reverse order, with the
+distributed optimizer each parameter start padded to 64 elements and each bucket end to
+lcm(DP, 128), the shared embedding in its own bucket), and the distributed optimizer's DP shard of
+every bucket (``optimizer/distrib_optimizer.py``). tests/test_plan.py checks these numbers against
+what megatron allocates on CPU, exactly.
+
+Activations are the tensors saved for backward per micro-batch, written term by term from what the
+layers keep (formulas in :func:`layer_activation_bytes`, per token); "local" is megatron's local
+spec (the CPU tier: unfused attention with the [b, heads, s, s] softmax, torch norms in fp32),
+"te" Transformer Engine (GPU: flash attention, fused norm + linear). The local formula is checked
+against the saved tensors on CPU (within 25%); the TE one follows the same accounting unverified.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megadiv.models.families import FAMILIES
+from megadiv.models.hf_config import ArchSpec
+from megadiv.models.sharding import VOCAB_MULTIPLE, padded_vocab_size, stage_layer_counts
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PARAM_ALIGN = 64
+"""Distributed optimizer: every parameter starts at a multiple of 64 elements of the buffer."""
+BUCKET_ALIGN = 128
+"""... and every bucket ends at a multiple of lcm(DP, 128) elements."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+
+    def __str__(self) -> str:
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the run does per GPU, from the run config (megadiv.trainer.cli_plan builds it)."""
+
+    micro_batch_size: int
+    seq_len: int
+    """Tokens per row: longest prompt + rollout.max_new_tokens (rows are padded to the longest)."""
+    micro_batches_in_flight: int = 1
+    """Micro-batches per mini-batch on one DP replica (1F1B keeps min(PP, this) on stage 0)."""
+    params_dtype: str = "bfloat16"
+    optimizer: Literal["adam", "sgd"] = "adam"
+    reference: bool = False
+    """A frozen reference model beside the actor (KL penalty or regulariser)."""
+    log_probs_chunk: int | None = None
+    """Token rows per vocab-parallel log-prob chunk (None: megadiv's ~2 MiB default)."""
+    sequence_parallel: bool = False
+    spec: Literal["te", "local"] = "te"
+    """Layer implementation the activations are counted for (GPU: Transformer Engine)."""
+    server_fraction: float = 0.0
+    """GPU memory fraction a colocated SGLang server reserves (rollout.mem_fraction_static)."""
+    bucket_bytes: int = 0
+    """rollout.bucket_bytes: every rank holds one gathered bucket during a weight sync
+    (megadiv.models.export) ..."""
+    rank0_bucket_copies: int = 0
+    """... and global rank 0 this many more (the flattened copy sent to each server)."""
+    reserve_bytes: int = 3 * GiB
+    """CUDA context, NCCL buffers, allocator fragmentation: held back from every GPU."""
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    shared_embedding: bool = False
+    """megatron's flag for a tied embedding split over the first and last stages (own DDP bucket)."""
+
+
+def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: list[int] | None = None,
+                 vocab_multiple: int = VOCAB_MULTIPLE) -> list[Param]:
+    """One TP rank's parameters of pipeline ``stage``, in megatron's registration order (local spec;
+    Transformer Engine fuses the norms into the linear layers: same sizes, other names)."""
+    family = FAMILIES[arch.family]
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    vocab_rows = padded_vocab_size(arch.vocab_size, tp, vocab_multiple) // tp
+    first, last = stage == 0, stage == pp - 1
+    tied_split = arch.tie_word_embeddings and pp > 1
+    out: list[Param] = []
+    if first:
+        out.append(Param("embedding.word_embeddings.weight", vocab_rows * h, shared_embedding=tied_split and not last))
+    counts = stage_layer_counts(arch.num_layers, pp, stage_layers)
+    for i in range(counts[stage]):
+        layer = f"decoder.layers.{i}."  # megatron's names count the stage's own layers
+        out.append(Param(layer + "input_layernorm.weight", h))
+        out.append(Param(layer + "self_attention.linear_proj.weight", h * q // tp))
+        out.append(Param(layer + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h))
+        if family.qkv_bias:
+            out.append(Param(layer + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp))
+        if family.qk_layernorm:
+            out += [Param(layer + "self_attention.q_layernorm.weight", d),
+                    Param(layer + "self_attention.k_layernorm.weight", d)]
+        out.append(Param(layer + "pre_mlp_layernorm.weight", h))
+        out.append(Param(layer + "mlp.linear_fc1.weight", 2 * f // tp * h))
+        out.append(Param(layer + "mlp.linear_fc2.weight", h * f // tp))
+    if last:
+        out.append(Param("decoder.final_layernorm.weight", h))
+        if not arch.tie_word_embeddings or pp > 1:  # tied at PP=1: the embedding itself
+            out.append(Param("output_layer.weight", vocab_rows * h, shared_embedding=tied_split))
+    return out
+
+
+def parameter_count(arch: ArchSpec) -> int:
+    """Parameters of the Hugging Face model (true vocabulary, one copy of a tied embedding)."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    family = FAMILIES[arch.family]
+    layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * h * f
+    layer += (q + 2 * kv) * family.qkv_bias + 2 * d * family.qk_layernorm
+    embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+    return embeddings + arch.num_layers * layer + h
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """DDP's contiguous param/grad buffer of one rank (megatron's _ParamAndGradBuffer)."""
+
+    numel: int
+    """Elements of the buffer, padding included (what grad_data / param_data allocate)."""
+    params: dict[str, tuple[int, int, int]]
+    """name -> (start, end, bucket)."""
+    buckets: list[tuple[int, int]]
+
+
+def buffer_layout(params: list[Param], distributed: bool, dp: int) -> BufferLayout:
+    """The buffer megatron builds for ``params`` (no overlapped grad reduce: one bucket, except a
+    shared embedding's own bucket under the distributed optimizer)."""
+    def pad(n: int, k: int) -> int:
+        return -(-n // k) * k
+
+    def end_bucket(end: int) -> int:
+        return pad(end, math.lcm(dp, BUCKET_ALIGN)) if distributed else end
+
+    placed, buckets = {}, []
+    start = bucket_start = 0
+    in_bucket = 0
+    for p in reversed(params):  # backprop order
+        if distributed:
+            start = pad(start, PARAM_ALIGN)
+        own = p.shared_embedding and distributed
+        if own and in_bucket:
+            start = end_bucket(start)
+            buckets.append((bucket_start, start))
+            bucket_start, in_bucket = start, 0
+        placed[p.name] = (start, start + p.numel, len(buckets))
+        in_bucket += 1
+        start += p.numel
+        if own:
+            start = end_bucket(start)
+            buckets.append((bucket_start, start))
+            bucket_start, in_bucket = start, 0
+    if in_bucket:
+        start = end_bucket(start)
+        buckets.append((bucket_start, start))
+    return BufferLayout(start, placed, buckets)
+
+
+def optimizer_shard_numel(layout: BufferLayout, dp: int, dp_rank: int) -> int:
+    """Parameter elements whose optimizer state DP rank ``dp_rank`` owns: the intersection of its
+    1/DP slice of every bucket with the parameters there (padding holds no state)."""
+    total = 0
+    for b, (b0, b1) in enumerate(layout.buckets):
+        size = (b1 - b0) // dp
+        lo, hi = b0 + dp_rank * size, b0 + (dp_rank + 1) * size
+        total += sum(max(0, min(hi, e) - max(lo, s)) for s, e, pb in layout.params.values() if pb == b)
+    return total
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes megatron allocates on one rank for the actor's weights and their training state."""
+
+    weights: int
+    """Model weights (params_dtype): DDP's param buffer under the distributed optimizer."""
+    grads: int
+    """DDP's fp32 gradient buffer (grad_reduce_in_fp32)."""
+    main_params: int
+    """fp32 master copy of bf16/fp16 weights (this rank's shard under the distributed optimizer)."""
+    optimizer: int
+    """fp32 optimizer state of this rank's shard: Adam's exp_avg and exp_avg_sq, SGD's momentum
+    buffer (megatron's default sgd_momentum 0.9)."""
+
+
+def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0) -> StateBytes:
+    """Actor state on one rank (megadiv.trainer.policy: the distributed optimizer when DP > 1 and Adam)."""
+    distributed = dp > 1 and optimizer == "adam"
+    layout = buffer_layout(params, distributed, dp)
+    e = DTYPE_BYTES[params_dtype]
+    owned = optimizer_shard_numel(layout, dp, dp_rank) if distributed else sum(p.numel for p in params)
+    return StateBytes(
+        weights=(layout.numel if distributed else sum(p.numel for p in params)) * e,
+        grads=layout.numel * 4,
+        main_params=owned * 4 if params_dtype != "float32" else 0,
+        optimizer=owned * (8 if optimizer == "adam" else 4))
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_len: int, params_dtype: str,
+                           spec: str = "te", sequence_parallel: bool = False) -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch [b, s] on one TP rank.
+
+    Per token, with e the weight dtype's bytes, a/g/d the heads/KV heads/head width per rank, f the
+    MLP width per rank, h the hidden width (/TP under sequence parallelism), s the sequence:
+
+    local (megatron local spec; torch RMSNorm keeps two fp32 [h] copies + rstd):
+        norms 2 (8h + 4) + linear inputs 2eh + q, k for QK^T 2ade + V (ade, or the whole fused QKV
+        (a+2g)de without GQA) + softmax 4as + probs eas + context ade + SwiGLU 5fe
+        + QK-norm 8(a+g)d + 4(a+g) (Qwen3); plus per sequence the causal mask s^2 bytes and the
+        RoPE cos/sin 4sde.
+    te (Transformer Engine, flash attention; fused norms keep input + normalised output):
+        norms 2 (2eh + 4) + q, k, v (a+2g)de + output ade + softmax statistics 4a + SwiGLU 3fe
+        + QK-norm (a+g)de + 4(a+g) (Qwen3).
+    """
+    e = DTYPE_BYTES[params_dtype]
+    family = FAMILIES[arch.family]
+    h = arch.hidden_size // (tp if sequence_parallel else 1)
+    a, g, d = arch.num_attention_heads // tp, arch.num_query_groups // tp, arch.head_dim
+    f, s, b = arch.ffn_hidden_size // tp, seq_len, micro_batch_size
+    if spec == "local":
+        v = a * d * e if a > g else (a + 2 * g) * d * e
+        per_token = (2 * (8 * h + 4) + 2 * e * h + 2 * a * d * e + v + 4 * a * s + e * a * s + a * d * e
+                     + 5 * f * e + family.qk_layernorm * (8 * (a + g) * d + 4 * (a + g)))
+        per_sequence = s * s + 4 * s * d * e
+        return b * s * per_token + per_sequence
+    per_token = (2 * (2 * e * h + 4) + (a + 2 * g) * d * e + a * d * e + 4 * a + 3 * f * e
+                 + family.qk_layernorm * ((a + g) * d * e + 4 * (a + g)))
+    return b * s * per_token
+
+
+def boundary_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_len: int, params_dtype: str,
+                              spec: str, first: bool, last: bool) -> int:
+    """Saved outside the layers: token ids on the first stage; final norm and output-layer input
+    on the last (the logits themselves are counted by :func:`logits_bytes`)."""
+    e, h, tokens = DTYPE_BYTES[params_dtype], arch.hidden_size, micro_batch_size * seq_len
+    norm = 8 * h + 4 if spec == "local" else 2 * e * h + 4
+    return tokens * (8 * first + (norm + e * h) * last)
+
+
+def logits_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_len: int, params_dtype: str,
+                 log_probs_chunk: int | None) -> tuple[int, int]:
+    """(logit shard [b, s, V/TP] in the weights' dtype plus its fp32 tempered copy, the
+    vocab-parallel log-prob workspace of one token chunk: a few [chunk, V/TP] fp32 buffers)."""
+    vocab = padded_vocab_size(arch.vocab_size, tp) // tp
+    tokens = micro_batch_size * seq_len
+    logits = tokens * vocab * (DTYPE_BYTES[params_dtype] + 4)
+    chunk = log_probs_chunk or max(1, (2 << 20) // (4 * vocab))  # megadiv's default: ~2 MiB per chunk
+    return logits, 3 * min(chunk, tokens) * vocab * 4
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: int
+    components: dict[str, int]
+    """Bytes by component on one GPU of this stage."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    parameters: int
+    weight_bytes_per_replica: int
+    """Weight bytes summed over the TP x PP GPUs of one replica (padding and replicated norms included)."""
+    stages: list[StagePlan]
+    gpu_bytes: int
+    activations_with_recompute: int
+    """Worst stage's activations with full recompute (each layer keeps only its input)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.gpu_bytes
+
+    def as_dict(self) -> dict:
+        w = self.worst
+        return {"layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp},
+                "parameters": self.parameters, "weight_bytes_per_replica": self.weight_bytes_per_replica,
+                "gpu_bytes": self.gpu_bytes, "fits": self.fits, "worst_stage": w.stage,
+                "per_gpu_bytes": w.total, "components": dict(w.components),
+                "activations_with_recompute": self.activations_with_recompute,
+                "stages": [{"stage": s.stage, "layers": s.layers, "total": s.total, "components": dict(s.components)}
+                           for s in self.stages],
+                "notes": list(self.notes)}
+
+
+def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
+                stage_layers: list[int] | None = None) -> Plan:
+    """Per-GPU memory of every pipeline stage of ``layout`` (DP rank 0's optimizer shard, which is
+    the largest: shards are cut from the buffer start)."""
+    counts = stage_layer_counts(arch.num_layers, layout.pp, stage_layers)
+    in_flight = min(layout.pp, work.micro_batches_in_flight)
+    b, s, dt = work.micro_batch_size, work.seq_len, work.params_dtype
+    per_layer = layer_activation_bytes(arch, layout.tp, b, s, dt, work.spec, work.sequence_parallel)
+    stages, replica_weights, recompute = [], 0, 0
+    for stage, layers in enumerate(counts):
+        first, last = stage == 0, stage == layout.pp - 1
+        params = stage_params(arch, layout.tp, layout.pp, stage, stage_layers)
+        state = state_bytes(params, dt, work.optimizer, layout.dp)
+        replica_weights += state.weights * layout.tp
+        boundary = boundary_activation_bytes(arch, layout.tp, b, s, dt, work.spec, first, last)
+        # 1F1B: stage i holds min(PP - i, micro-batches) micro-batches' activations at its peak
+        held = max(1, min(layout.pp - stage, work.micro_batches_in_flight)) if layout.pp > 1 else 1
+        logits, chunk = logits_bytes(arch, layout.tp, b, s, dt, work.log_probs_chunk) if last else (0, 0)
+        components = {
+            "weights": state.weights, "main_params_fp32": state.main_params, "grads_fp32": state.grads,
+            "optimizer_states": state.optimizer,
+            "activations": held * (layers * per_layer + boundary),
+            "logits": logits, "log_prob_chunk": chunk,
+            "reference_weights": sum(p.numel for p in params) * DTYPE_BYTES[dt] if work.reference else 0,
+            # a launched server sits on global rank 0's node: GPUs of the first stage (ranks are tp-dp-pp)
+            "colocated_server": int(work.server_fraction * gpu_bytes) if first else 0,
+            "weight_sync_buckets": work.bucket_bytes * (1 + work.rank0_bucket_copies * first),
+            "reserve": work.reserve_bytes,
+        }
+        stages.append(StagePlan(stage, layers, components))
+        token_inputs = held * layers * b * s * arch.hidden_size * DTYPE_BYTES[dt]
+        recompute = max(recompute, token_inputs + per_layer + held * boundary)
+    notes = []
+    if in_flight > 1:
+        notes.append(f"1F1B keeps up to {in_flight} micro-batches of activations on the first stage")
+    return Plan(layout, parameter_count(arch), replica_weights, stages, gpu_bytes, recompute, notes)
+
+
+def candidate_layouts(arch: ArchSpec, world: int, gpus_per_node: int) -> list[Layout]:
+    """Every TP x PP that megadiv can build on ``world`` GPUs, smallest model-parallel size first
+    (then smaller PP): TP within a node and dividing the heads, KV heads and MLP width."""
+    out = []
+    for tp in range(1, gpus_per_node + 1):
+        if (gpus_per_node % tp or arch.num_query_groups % tp or arch.num_attention_heads % tp
+                or arch.ffn_hidden_size % tp):
+            continue
+        for pp in range(1, arch.num_layers + 1):
+            if world % (tp * pp) == 0:
+                out.append(Layout(tp, pp, world // (tp * pp)))
+    return sorted(out, key=lambda lay: (lay.tp * lay.pp, lay.pp))

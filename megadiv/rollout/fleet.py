@@ -1,0 +1,215 @@
+"""FleetEngine: several SGLang servers behind the one rollout protocol.
+
+    rollout: {engine: sglang, num_servers: 4}                                   # launched here
+    rollout: {engine: sglang, server_urls: [http://node7:30000, http://node8:30000]}  # attached
+
+Each server is driven by its own single-server :class:`SGLangEngine` (a *member*), so everything
+one server does (launch, health, timeouts, errors naming it, its weight-update session) stays in
+that class; the fleet only fans work out and gathers it back:
+
+- **generate / score**: the prompts are cut into one contiguous slice per member, by prompt, so
+  the ``n`` samples of a prompt (a GRPO group) always come from one server; the slices run
+  concurrently and the results are concatenated in prompt order. The first member to fail fails
+  the call, with its error (which names its server), without waiting for the others.
+- **update_weights**: every bucket goes to every member. *One process group per server*: each
+  member runs its own sync (its own broadcast group, session and timeouts) in its own thread, fed
+  the same bucket objects through a bounded queue, so buckets are produced once and at most
+  ``QUEUE_DEPTH`` are held per member. A refusing or dead server fails its own sync within
+  ``rollout.sync_timeout_s`` and is named; the others are told to abort (their sessions are closed).
+  The cost of independent groups is that the trainer sends each bucket once per server (a single
+  group would broadcast once); the gain is that one bad server cannot stall the others' collectives.
+- **probe check**: :func:`megadiv.rollout.mismatch.check_mismatch` scores the probe batch on every
+  member (``members``), so a server that missed an update is caught and named.
+
+After a failed sync the servers may hold a mix of old and new tensors; the next successful sync
+(and its probe check) restores a known state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.engine import (Bucket, Completion, RolloutError, SamplingParams, SyncReport, WeightSyncError,
+                                    check_prompts)
+from megadiv.rollout.sglang_engine import SGLangEngine
+
+log = logging.getLogger(__name__)
+
+QUEUE_DEPTH = 2
+"""Buckets queued per member during a sync (bounds the trainer memory a slow server can pin)."""
+
+_END = object()
+
+
+class FleetEngine:
+    """The rollout protocol over one :class:`SGLangEngine` per server (see the module docstring)."""
+
+    def __init__(self, hf_dir: str, cfg: RolloutConfig):
+        if cfg.server_urls:
+            configs = [dataclasses.replace(cfg, server_urls=(url,)) for url in cfg.server_urls]
+        else:  # launch cfg.num_servers, concurrently (CPU start-up takes 20-80 s each)
+            configs = [dataclasses.replace(cfg, num_servers=1, server_args=cfg.server_args + _placement(i, cfg))
+                       for i in range(cfg.num_servers)]
+        self.cfg = cfg
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(configs), thread_name_prefix="fleet")
+        futures = [self._pool.submit(SGLangEngine, hf_dir, c) for c in configs]
+        wait(futures)
+        started = [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for engine in started:
+                engine.shutdown()
+            self._pool.shutdown(wait=False)
+            raise failed[0]
+        self.members: dict[str, SGLangEngine] = {e.urls[0]: e for e in started}
+        """Member engines by server URL, in the order prompts are assigned to them."""
+        log.info("rollout fleet of %d SGLang servers: %s", len(self.members), list(self.members))
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.members)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        check_prompts(prompts)
+        return self._spread(len(prompts), lambda m, s: m.generate(prompts[s], params), "generate")
+
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        check_prompts(prompts)
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        return self._spread(len(prompts), lambda m, s: m.score(prompts[s], responses[s]), "score")
+
+    def _spread(self, n: int, call: Callable[[SGLangEngine, slice], list], what: str) -> list:
+        """Run ``call(member, prompt_slice)`` on every member's contiguous share of ``n`` prompts,
+        concurrently; concatenate in prompt order. The first failure is raised at once."""
+        jobs = [(m, s) for m, s in zip(self.members.values(), split_evenly(n, len(self.members))) if s.stop > s.start]
+        futures = [self._pool.submit(call, m, s) for m, s in jobs]
+        done, _ = wait(futures, timeout=self.cfg.request_timeout_s + 60, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+        if len(done) < len(futures):  # members time out their own requests; this is a backstop
+            late = [m.urls[0] for (m, _), f in zip(jobs, futures) if f not in done]
+            raise RolloutError(f"{what}: no answer from {late} within rollout.request_timeout_s")
+        return [x for f in futures for x in f.result()]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
+        """Every bucket to every member, concurrently (one sync and one group per server)."""
+        t0 = time.perf_counter()
+        feeds = {url: _Feed() for url in self.members}
+        futures = {url: self._pool.submit(m.update_weights, feeds[url], version) for url, m in self.members.items()}
+        try:
+            for bucket in buckets:
+                for url, feed in feeds.items():
+                    feed.put(bucket, futures[url])
+                _raise_first_failure(futures)
+            for url, feed in feeds.items():
+                feed.put(_END, futures[url])
+            # what is left per member: its queued buckets, the session end and the version, each
+            # bounded by the member's own sync_timeout_s
+            wait(futures.values(), timeout=self.cfg.sync_timeout_s * (QUEUE_DEPTH + 3))
+            _raise_first_failure(futures)
+        except BaseException as e:
+            for url, feed in feeds.items():
+                feed.abort(f"weight sync {version!r} aborted on {url}: {_short(e)}")
+            wait(futures.values(), timeout=self.cfg.sync_timeout_s + 60)
+            raise
+        if not all(f.done() for f in futures.values()):
+            late = [u for u, f in futures.items() if not f.done()]
+            raise WeightSyncError(f"weight sync {version!r}: {late} did not finish within rollout.sync_timeout_s")
+        first = next(iter(futures.values())).result()
+        return dataclasses.replace(first, seconds=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self) -> None:
+        for m in self.members.values():
+            m.pause()
+
+    def resume(self) -> None:
+        for m in self.members.values():
+            m.resume()
+
+    @property
+    def weight_version(self) -> str:
+        versions = {url: m.weight_version for url, m in self.members.items()}
+        if len(set(versions.values())) > 1:
+            raise RolloutError(f"servers disagree on the weight version: {versions}")
+        return next(iter(versions.values()))
+
+    def shutdown(self) -> None:
+        for m in self.members.values():
+            m.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def split_evenly(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices of range(n), sizes differing by at most one (larger first)."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class _Feed:
+    """The bucket iterator one member's update_weights consumes, filled by the fleet's thread."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self._abort = threading.Event()
+        self._why = ""
+
+    def put(self, item, consumer: Future) -> None:
+        """Queue ``item`` (a bucket, or _END) unless the consumer has stopped reading (it failed)."""
+        while not consumer.done():
+            try:
+                return self._q.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+
+    def abort(self, why: str) -> None:
+        self._why = why
+        self._abort.set()
+
+    def __iter__(self) -> Iterator[Bucket]:
+        while True:
+            if self._abort.is_set():
+                # raised inside the member's update_weights, which closes its session and re-raises
+                raise WeightSyncError(self._why)
+            try:
+                item = self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is _END:
+                return
+            yield item
+
+
+def _raise_first_failure(futures: dict) -> None:
+    for f in futures.values():
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+
+
+def _short(e: BaseException) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
+def _placement(index: int, cfg: RolloutConfig) -> tuple[str, ...]:
+    """Launched server ``index`` on its own GPUs (``--base-gpu-id``); CPU servers need nothing."""
+    if not torch.cuda.is_available():
+        return ()
+    return ("--base-gpu-id", str(index * cfg.server_tp))

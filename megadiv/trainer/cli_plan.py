@@ -1,0 +1,122 @@
+"""``megadiv plan CONFIG... --nodes N --gpus-per-node G --gpu-memory-gib M [--hf-config FILE] [--json]``.
+
+Per-GPU memory of a run before it is launched (megadiv.models.plan): by component for the
+configured TP x PP (DP is what the world leaves), whether it fits, and the smallest TP x PP that
+fits. The architecture comes from ``model.hf_dir/config.json``, or from ``--hf-config`` to plan
+before the checkpoint is on disk (examples/hf_configs/ has the recipe models' public configs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from megadiv.config import ConfigError
+from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
+from megadiv.models.plan import GiB, Layout, Plan, Workload, candidate_layouts, plan_layout
+from megadiv.trainer.cli import add_config_arguments, load_train_config
+from megadiv.trainer.config import TrainConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, GiB")
+    parser.add_argument("--hf-config", default=None,
+                        help="a Hugging Face config.json to plan with instead of model.hf_dir's")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="longest prompt in tokens; rows are prompt + rollout.max_new_tokens (default 512)")
+    parser.add_argument("--reserve-gib", type=float, default=3.0,
+                        help="held back on every GPU for the CUDA context, NCCL and fragmentation (default 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    world = args.nodes * args.gpus_per_node
+    tmp = None
+    try:
+        if min(args.nodes, args.gpus_per_node, args.prompt_tokens) < 1 or args.gpu_memory_gib <= 0:
+            raise ConfigError("--nodes, --gpus-per-node, --prompt-tokens must be >= 1 and --gpu-memory-gib > 0")
+        if args.hf_config:  # the run config needs a directory holding config.json
+            tmp = tempfile.mkdtemp(prefix="megadiv-plan-")
+            shutil.copy(args.hf_config, Path(tmp) / "config.json")
+            args.args = [*args.args, f"model.hf_dir={tmp}"]
+        cfg = load_train_config(args, world)
+        arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"megadiv: invalid config: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    gpu_bytes = int(args.gpu_memory_gib * GiB)
+    stage_layers = getattr(cfg.parallel, "stage_layers", None)
+
+    def plan_for(layout: Layout, layers=None) -> Plan | None:
+        work = workload(cfg, layout, args.prompt_tokens, int(args.reserve_gib * GiB))
+        if work is None:
+            return None
+        try:
+            return plan_layout(arch, layout, work, gpu_bytes, layers)
+        except ValueError:  # layers that do not split over this PP
+            return None
+
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    configured = plan_for(Layout(tp, pp, cfg.parallel.data_parallel_size(world)), stage_layers)
+    if configured is None:
+        print(f"megadiv: invalid config: the batch (grpo.prompts_per_step x rollout.n_samples / grpo.mini_batches) "
+              f"does not split into whole grpo.micro_batch_size={cfg.grpo.micro_batch_size} micro-batches over "
+              f"DP={cfg.parallel.data_parallel_size(world)}, or the layers over PP={pp}", file=sys.stderr)
+        return 2
+    smallest = next((p for p in map(plan_for, candidate_layouts(arch, world, args.gpus_per_node))
+                     if p is not None and p.fits), None)
+    if args.json:
+        print(json.dumps(configured.as_dict() | {
+            "nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory_gib": args.gpu_memory_gib,
+            "seq_len": args.prompt_tokens + cfg.rollout.max_new_tokens,
+            "smallest_fitting_layout": smallest.as_dict()["layout"] if smallest else None}, indent=2))
+    else:
+        print(table(configured, args, cfg))
+        print(f"smallest TP x PP that fits on {world} GPUs of {args.gpu_memory_gib:g} GiB: "
+              + (f"{smallest.layout} ({smallest.worst.total / GiB:.1f} GiB per GPU)" if smallest else "none"))
+    return 0
+
+
+def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes: int) -> Workload | None:
+    """The run's per-GPU work at ``layout``; None when its batch does not split over layout.dp."""
+    rows = cfg.grpo.prompts_per_step * cfg.rollout.n_samples
+    per_mini = rows // cfg.grpo.mini_batches
+    if per_mini % (layout.dp * cfg.grpo.micro_batch_size):
+        return None
+    colocated = cfg.rollout.engine != "embedded" and not cfg.rollout.server_urls
+    return Workload(
+        micro_batch_size=cfg.grpo.micro_batch_size, seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
+        micro_batches_in_flight=per_mini // (layout.dp * cfg.grpo.micro_batch_size),
+        params_dtype=cfg.model.params_dtype, optimizer=cfg.optim.optimizer, reference=cfg.needs_reference,
+        log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,
+        spec="local" if cfg.model.transformer_impl == "local" else "te",
+        server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,
+        bucket_bytes=cfg.rollout.bucket_bytes,
+        rank0_bucket_copies=max(len(cfg.rollout.server_urls), cfg.rollout.num_servers)
+        if cfg.rollout.engine != "embedded" and cfg.rollout.sync_method == "distributed" else 0)
+
+
+def table(plan: Plan, args: argparse.Namespace, cfg: TrainConfig) -> str:
+    names = list(plan.stages[0].components)
+    head = ["component"] + [f"stage {s.stage} ({s.layers} layers)" for s in plan.stages]
+    rows = [[n] + [f"{s.components[n] / GiB:.2f}" for s in plan.stages] for n in names]
+    rows.append(["total"] + [f"{s.total / GiB:.2f}" for s in plan.stages])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    verdict = "fits" if plan.fits else "does NOT fit"
+    return "\n".join([
+        f"{plan.parameters / 1e9:.2f}B parameters; {plan.layout} on {args.nodes} x {args.gpus_per_node} GPUs; "
+        f"micro-batch {cfg.grpo.micro_batch_size} x {args.prompt_tokens + cfg.rollout.max_new_tokens} tokens; "
+        f"GiB per GPU:", line(head), line(["-" * w for w in widths]), *map(line, rows),
+        f"worst GPU: {plan.worst.total / GiB:.1f} of {args.gpu_memory_gib:g} GiB: {verdict}; activations with "
+        f"full recompute: {plan.activations_with_recompute / GiB:.2f} GiB; weights per replica "
+        f"{plan.weight_bytes_per_replica / GiB:.1f} GiB", *plan.notes])

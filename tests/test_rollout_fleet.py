@@ -1,0 +1,129 @@
+"""A rollout fleet of two real SGLang CPU servers (megadiv.rollout.fleet): prompt groups spread
+over the servers, every weight update reaching both (probe check on each), and a refusing or
+killed server named in the error within the configured timeout.
+
+The module launches its two servers once (``rollout.num_servers: 2``, concurrently; 30-90 s on
+2 cores) and stops both process groups at the end; the last test kills one of them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megadiv.rollout import (ProbeBatch, RolloutConfig, RolloutError, SamplingParams, WeightSyncError,
+                             check_mismatch, make_engine)
+from megadiv.rollout.fleet import FleetEngine
+from megadiv.rollout.sglang_server import live_group_members
+from megadiv.rollout.weight_sync import post
+from tests.test_rollout import TOL, base, buckets_of, hf_dir, perturbed, reference  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(600)]
+
+SYNC_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def fleet(hf_dir, tmp_path_factory):
+    cfg = RolloutConfig(engine="sglang", num_servers=2, bucket_bytes=64 << 10, startup_timeout_s=400,
+                        request_timeout_s=120, sync_timeout_s=SYNC_TIMEOUT_S,
+                        log_dir=str(tmp_path_factory.mktemp("fleet-log")))
+    engine = make_engine(cfg, hf_dir)
+    assert isinstance(engine, FleetEngine) and len(engine.members) == 2
+    yield engine
+    engine.shutdown()
+    for member in engine.members.values():
+        assert not live_group_members(member.server.proc.pid)  # nothing of either server is left
+
+
+def test_prompt_groups_are_spread_over_the_servers(fleet, hf_dir, base, reference):
+    """Each server serves the same weights under its own version name: every completion of a
+    prompt carries one server's version, the first half of the prompts the first server's."""
+    (url_a, a), (url_b, b) = fleet.members.items()
+    a.update_weights(iter(buckets_of(base)), "on-a")
+    b.update_weights(iter(buckets_of(base)), "on-b")
+    with pytest.raises(RolloutError, match="disagree on the weight version"):
+        fleet.weight_version
+    prompts = [[5, 17, 33, 8], [40, 41], [9, 60, 61], [70, 71, 72, 73, 74]]
+    groups = fleet.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=6))
+    assert [len(g) for g in groups] == [3, 3, 3, 3]
+    assert [{c.weight_version for c in g} for g in groups] == [{"on-a"}, {"on-a"}, {"on-b"}, {"on-b"}]
+    reference.load(base)  # and the completions are the model's, whichever server sampled them
+    rows = [(p, c) for p, g in zip(prompts, groups) for c in g]
+    expected = reference.logprobs([p for p, _ in rows], [c.token_ids for _, c in rows], temperature=0.8)
+    assert max(float((e - torch.tensor(c.logprobs)).abs().max()) for e, (_, c) in zip(expected, rows)) < TOL
+    # an attached fleet over the same servers sees what they serve (and stops neither)
+    attached = make_engine(RolloutConfig(engine="sglang", server_urls=(url_a, url_b), sync_timeout_s=SYNC_TIMEOUT_S),
+                           hf_dir)
+    try:
+        assert isinstance(attached, FleetEngine) and attached.urls == [url_a, url_b]
+        assert [m.weight_version for m in attached.members.values()] == ["on-a", "on-b"]
+    finally:
+        attached.shutdown()
+    assert all(m.server.alive() for m in fleet.members.values())
+
+
+def test_every_update_reaches_every_server(fleet, base, reference):
+    """A fleet sync lands on both servers (the probe check scores on each); a server that missed
+    an update is caught by the check and named, the up-to-date one is not."""
+    (url_a, _), (url_b, b) = fleet.members.items()
+    probe = ProbeBatch.random(100, RolloutConfig(), seed=0)
+    for step, seed in enumerate((1, 2), start=1):
+        new = perturbed(base, seed=seed)
+        report = fleet.update_weights(iter(buckets_of(new, per=3)), f"step-{step}")
+        assert report.num_tensors == len(new) and report.num_buckets == -(-len(new) // 3)
+        assert fleet.weight_version == f"step-{step}"
+        trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
+        assert check_mismatch(fleet, probe, trainer, 0.05, f"step-{step}").max_abs < TOL  # worst server
+        for member in fleet.members.values():  # and each on its own, against the independent reference
+            got = member.score(probe.prompts, probe.responses)
+            assert max(float((g - e).abs().max()) for g, e in zip(got, trainer)) < TOL
+    newer = perturbed(base, seed=3)
+    b.update_weights(iter(buckets_of(newer)), "step-3")  # only the second server gets step 3
+    trainer = reference.load(newer).logprobs(probe.prompts, probe.responses)
+    with pytest.raises(WeightSyncError, match="not serving the trainer's weights") as caught:
+        check_mismatch(fleet, probe, trainer, 0.05, "step-3")
+    assert url_a in str(caught.value) and url_b not in str(caught.value)
+
+
+def test_a_refusing_server_is_named_and_the_fleet_recovers(fleet, base, reference):
+    """A weight-update session left open on the first server (a crashed trainer's) makes it refuse
+    the next sync: the error names it, the other server's sync is aborted, and the next sync
+    after the session is closed reaches both."""
+    (url_a, _), (url_b, _) = fleet.members.items()
+    post(url_a, "/begin_weight_update", {}, 30)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as caught:
+        fleet.update_weights(iter(buckets_of(perturbed(base, seed=4))), "refused")
+    assert time.monotonic() - t0 < SYNC_TIMEOUT_S
+    assert f"{url_a}/begin_weight_update refused" in str(caught.value)
+    post(url_a, "/end_weight_update", {}, 30)
+    new = perturbed(base, seed=5)
+    fleet.update_weights(iter(buckets_of(new)), "step-5")
+    probe = ProbeBatch.random(100, RolloutConfig(), seed=0)
+    trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
+    assert check_mismatch(fleet, probe, trainer, 0.05, "step-5").max_abs < TOL
+    assert fleet.weight_version == "step-5"
+
+
+def test_a_killed_server_is_named_within_the_timeout(fleet, base):
+    """Runs last: kills the second server's process group; a sync and a generation then fail
+    naming it (and its log), well within rollout.sync_timeout_s / request_timeout_s."""
+    (url_a, _), (url_b, b) = fleet.members.items()
+    os.killpg(b.server.proc.pid, signal.SIGKILL)
+    b.server.proc.wait(timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as caught:
+        fleet.update_weights(iter(buckets_of(perturbed(base, seed=6))), "after-kill")
+    assert time.monotonic() - t0 < SYNC_TIMEOUT_S
+    message = str(caught.value)
+    assert url_b in message and str(b.server.log_path) in message
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError) as caught:
+        fleet.generate([[5, 6, 7]] * 4, SamplingParams(n=2, max_new_tokens=8))
+    assert time.monotonic() - t0 < fleet.cfg.request_timeout_s
+    assert url_b in str(caught.value) and ("died" in str(caught.value) or "unreachable" in str(caught.value))
+
