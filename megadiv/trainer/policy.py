@@ -52,8 +52,17 @@ class SequenceBatch:
         return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
                                 for f in fields(self)})
 
-    def micro_batches(self, size: int) -> list["SequenceBatch"]:
+    def split(self, parts: int) -> list["SequenceBatch"]:
+        """``parts`` equal consecutive slices; an uneven split is an error, never a dropped row."""
+        if len(self) % parts:
+            raise ValueError(f"{len(self)} rows do not split into {parts} equal parts")
+        size = len(self) // parts
         return [self.rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def micro_batches(self, size: int) -> list["SequenceBatch"]:
+        if len(self) % size:
+            raise ValueError(f"{len(self)} rows do not split into micro-batches of {size}")
+        return self.split(len(self) // size)
 
     @classmethod
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
