@@ -1,6 +1,6 @@
 """The run config of ``megadiv train``: one frozen section per component.
 
-    parallel   megadiv.config.ParallelConfig       TP / PP / CP sizes, collective timeout
+    parallel   megadiv.config.ParallelConfig       TP / PP sizes, stage split, collective timeout
     model      megadiv.config.ModelConfig          the HF checkpoint (or a tiny one made on the spot)
     optim      megadiv.config.OptimConfig          Megatron optimizer and LR schedule
     data       megadiv.data.DataConfig             training prompts
