@@ -54,7 +54,7 @@ def test_multinode_script_runs_two_nodes_on_loopback(tmp_path):
            "RUN_ID": "loopback-test", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = ["bash", str(REPO / "examples" / "launch" / "multinode.sh"), str(CONFIG), f"run.output_dir={tmp_path}",
-           f"run.name={run_dir.name}", f"model.hf_dir={run_dir}/init", *TINY, "parallel.tensor_parallel=1",
+           f"run.name={run_dir.name}", f"model.hf_dir={run_dir}/init", *TINY, "parallel.tensor_parallel=1", "grpo.micro_batch_size=4",
            "grpo.steps=1", "eval.every=0", "eval.samples=0", "eval.data.max_items=8"]
     nodes = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for _ in range(2)]

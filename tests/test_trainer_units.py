@@ -81,20 +81,23 @@ def layout_runs(tiny_model):
 
 # Tolerances (float32 weights, float64 metric reductions): the layouts sum the same terms in other
 # orders (TP all-reduces, DP gradient reduce-scatter, micro-batch accumulation), and three steps
-# (SGD at lr 0.5) carry that rounding on. Observed against TP=1 x DP=1: losses, KL and grad norms
-# <= 3e-6 relative, weights after the steps <= 1.3e-6 absolute (PP=2 with Adam; weights ~0.02-1).
+# (SGD at lr 0.5) carry that rounding on; gloo's reductions are deterministic, so each layout gives
+# the same figures every run. Observed against TP=1 x DP=1: losses, KL and grad norms <= 3e-6
+# relative; weights after three SGD steps <= 1.4e-6 absolute (weights ~0.02-1). Adam divides by
+# sqrt(v): where a gradient element is near zero, rounding noise becomes an update difference of a
+# fraction of lr = 1e-3 (observed <= 6.1e-6 at TP=2 x DP=2), hence its looser weight tolerance.
 METRIC_TOL = dict(rel=1e-5, abs=1e-6)
-WEIGHT_TOL = dict(rtol=0, atol=3e-6)
+WEIGHT_TOL = {"sgd": dict(rtol=0, atol=3e-6), "adam": dict(rtol=0, atol=1e-5)}
 
 
-def _assert_same_training(run, ref, name, keys):
+def _assert_same_training(run, ref, name, keys, optimizer):
     for s, s_ref in zip(run["steps"], ref["steps"], strict=True):
         for key in keys:
             assert s[key] == pytest.approx(s_ref[key], **METRIC_TOL), (name, key, s[key], s_ref[key])
     assert run["weights"].keys() == ref["weights"].keys()
     for k, w in run["weights"].items():
-        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL, msg=lambda m: f"{name} {k}: {m}")
-    assert run["logp_sum"] == pytest.approx(ref["logp_sum"], rel=1e-6), name
+        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m: f"{name} {k}: {m}")
+    assert run["logp_sum"] == pytest.approx(ref["logp_sum"], rel=5e-6), name  # observed <= 1.2e-6
 
 
 @pytest.mark.parametrize("run", [SGD, ADAM], ids=["sgd-token-mean", "adam-seq-mean-token-mean"])
@@ -113,7 +116,7 @@ def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
         assert r[run]["skipped"] == 1.0 and r[run]["unchanged"]
         _assert_same_training(r[run], ref, f"{layout} rank {rank}",
                               ("loss/total", "loss/kl", "grad_norm", "entropy", "clip/frac_low", "clip/frac_high",
-                               "ratio/max", "ratio/min", "ref/k3"))
+                               "ratio/max", "ratio/min", "ref/k3"), optimizer=run[1])
 
 
 def test_the_layouts_are_what_they_claim(layout_runs):
@@ -136,7 +139,7 @@ def test_full_vocabulary_regularizer_in_training_does_not_depend_on_the_layout(l
     assert ref["steps"][-1]["loss/regularizer"] > 0
     for rank, r in enumerate(layout_runs[layout]):
         _assert_same_training(r[REGULARIZED], ref, f"{layout} rank {rank}",
-                              ("loss/total", "loss/regularizer", "grad_norm", "entropy"))
+                              ("loss/total", "loss/regularizer", "grad_norm", "entropy"), optimizer="sgd")
 
 
 def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
@@ -158,4 +161,5 @@ def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
             for key in ("loss/total", "grad_norm", "entropy"):
                 assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, key)
             for k, w in r["weights"].items():
-                torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL, msg=lambda m: f"TP={tp} {k}: {m}")
+                torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
+                                           msg=lambda m: f"TP={tp} {k}: {m}")
