@@ -16,9 +16,13 @@ import pytest
 from tests.test_trainer import CONFIG, TINY, step_records
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for d in ("examples", "tools") for p in (REPO / d).rglob("*")
-                 if p.is_file() and (p.suffix in (".sh", ".sbatch") or p.read_bytes()[:32].startswith(b"#!/usr/bin/env bash")
-                                     or p.read_bytes()[:32].startswith(b"#!/bin/bash")))
+
+def _is_shell_script(path: Path) -> bool:
+    shebangs = (b"#!/usr/bin/env bash", b"#!/bin/bash", b"#!/bin/sh")
+    return path.suffix in (".sh", ".sbatch") or path.read_bytes()[:32].startswith(shebangs)
+
+
+SCRIPTS = sorted(p for d in ("examples", "tools") for p in (REPO / d).rglob("*") if p.is_file() and _is_shell_script(p))
 
 
 def test_the_launch_scripts_are_found():

@@ -81,8 +81,8 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
     parallel state; ``parallel`` (optional) supplies sequence_parallel and is checked against it.
     ``load_weights`` streams the HF safetensors (False: leave megatron's random init, e.g. before
     loading a megatron checkpoint). ``stage_layers`` (default: ``parallel.stage_layers``) forces
-    the layers per PP stage (see sharding.stage_layer_counts for the default). ``config_overrides`` are extra TransformerConfig
-    fields (recompute settings, ...). A ``reference`` model is frozen: eval mode, no gradients.
+    the layers per PP stage (see sharding.stage_layer_counts for the default). ``config_overrides``
+    are extra TransformerConfig fields. A ``reference`` model is frozen: eval mode, no gradients.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel

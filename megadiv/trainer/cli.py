@@ -4,8 +4,8 @@ Several YAML files merge left to right (e.g. task, model, algorithm: examples/gs
 overrides apply last.
 The config is loaded and validated (keys, types, combinations, the world size against TP x PP,
 and every batch against the DP replicas) before any process group exists. ``--nproc N``
-relaunches this command under ``torchrun --nproc_per_node N`` on this machine; for several nodes, call torchrun yourself:
-``torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:PORT -m megadiv.cli train CONFIG``.
+relaunches this command under ``torchrun --nproc_per_node N`` on this machine; for several
+nodes, run examples/launch/multinode.sh on each (``torchrun --nnodes N ... -m megadiv.cli train``).
 """
 from __future__ import annotations
 
