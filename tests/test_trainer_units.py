@@ -142,6 +142,7 @@ def test_full_vocabulary_regularizer_in_training_does_not_depend_on_the_layout(l
                               ("loss/total", "loss/regularizer", "grad_norm", "entropy"), optimizer="sgd")
 
 
+@pytest.mark.slow
 def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
     """Adam with the distributed optimizer at TP=1 x DP=2: two steps, a checkpoint, a third step.
     The checkpoint loaded by fresh actors at DP=1 and at TP=2 continues with the same third step:
