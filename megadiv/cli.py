@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])  # prints help or the unknown-verb error and exits
     verb, rest = argv[0], argv[1:]
+    from megadiv.parallel.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # before any verb imports megatron-core
     module = importlib.import_module(COMMANDS[verb][0])
     sub_parser = argparse.ArgumentParser(prog=f"megadiv {verb}", description=COMMANDS[verb][1])
     module.add_arguments(sub_parser)

@@ -34,7 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the world is split. World size = tensor_parallel * pipeline_parallel * context_parallel * DP."""
+    """How the world is split. World size = tensor_parallel * pipeline_parallel * DP (data parallel);
+    there is no context parallelism (docs/scaling.md says why)."""
 
     tensor_parallel: int = 1
     """Tensor-parallel ranks: each holds 1/TP of every weight matrix and of the vocabulary."""
@@ -42,8 +43,9 @@ class ParallelConfig:
     """Pipeline stages: each holds a contiguous block of layers."""
     virtual_pipeline: int | None = None
     """Model chunks per pipeline rank (interleaved 1F1B); None disables interleaving."""
-    context_parallel: int = 1
-    """Context-parallel ranks (sequence split for attention); 1 disables."""
+    stage_layers: list[int] | None = None
+    """Transformer layers per pipeline stage, first to last (e.g. [7, 8, 8, 7]), for uneven splits;
+    megatron needs equal middle stages. None: even, or the first and last stages take the rest."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the tensor-parallel group (needs tensor_parallel > 1)."""
     timeout_s: float = 600.0
@@ -52,27 +54,33 @@ class ParallelConfig:
     """Let the CPU compatibility layer run on a megatron-core version it was not tested against."""
 
     def __post_init__(self):
-        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+        for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.virtual_pipeline is not None and (self.virtual_pipeline < 1 or self.pipeline_parallel < 2):
             raise ConfigError("parallel.virtual_pipeline needs pipeline_parallel >= 2 and a value >= 1")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError("parallel.sequence_parallel needs parallel.tensor_parallel > 1")
+        if self.stage_layers is not None and (len(self.stage_layers) != self.pipeline_parallel
+                                              or min(self.stage_layers) < 1 or len(set(self.stage_layers[1:-1])) > 1):
+            raise ConfigError(f"parallel.stage_layers={self.stage_layers} must give >= 1 layer to each of the "
+                              f"parallel.pipeline_parallel={self.pipeline_parallel} stages, middle stages equal")
+        if self.stage_layers is not None and self.virtual_pipeline is not None:
+            raise ConfigError("parallel.stage_layers and parallel.virtual_pipeline cannot be combined")
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        return self.tensor_parallel * self.pipeline_parallel
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size for ``world_size`` ranks; raises ConfigError when the world does not split evenly."""
         if world_size % self.model_parallel_size:
             raise ConfigError(
-                f"world size {world_size} is not divisible by tensor_parallel * pipeline_parallel * "
-                f"context_parallel = {self.tensor_parallel} * {self.pipeline_parallel} * "
-                f"{self.context_parallel} = {self.model_parallel_size}")
+                f"world size {world_size} is not divisible by parallel.tensor_parallel * "
+                f"parallel.pipeline_parallel = {self.tensor_parallel} * {self.pipeline_parallel} = "
+                f"{self.model_parallel_size}")
         return world_size // self.model_parallel_size
 
 
@@ -104,6 +112,14 @@ class ModelConfig:
     """Layer implementation: megatron's local spec (CPU), Transformer Engine (GPU); auto picks."""
     fp8: Literal["none", "delayed", "tensorwise", "mxfp8", "blockwise"] = "none"
     """FP8 recipe (Transformer Engine only)."""
+    recompute_granularity: Literal["none", "full", "selective"] = "none"
+    """Megatron activation recompute (actor only): 'full' recomputes whole transformer layers in the
+    backward pass, 'selective' only core attention; 'none' keeps every activation."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With 'full': 'uniform' checkpoints every group of recompute_num_layers layers, 'block' the
+    first recompute_num_layers layers of each pipeline stage (the rest keep their activations)."""
+    recompute_num_layers: int | None = None
+    """With 'full': layers per checkpointed group ('uniform') or per stage ('block')."""
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -116,6 +132,14 @@ class ModelConfig:
         if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
             raise ConfigError(f"model.num_attention_heads {self.num_attention_heads} is not divisible by "
                               f"model.num_query_groups {self.num_query_groups}")
+        full = self.recompute_granularity == "full"
+        if full != (self.recompute_method is not None) or full != (self.recompute_num_layers is not None):
+            raise ConfigError("model.recompute_method and model.recompute_num_layers are set exactly when "
+                              f"model.recompute_granularity is 'full' (got granularity "
+                              f"{self.recompute_granularity!r}, method {self.recompute_method!r}, num_layers "
+                              f"{self.recompute_num_layers!r})")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ConfigError(f"model.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
         if self.fp8 != "none" and self.transformer_impl == "local":
             raise ConfigError("model.fp8 needs model.transformer_impl 'transformer_engine' or 'auto'")
 
@@ -185,6 +209,11 @@ def check_model_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
                           f"(model.num_query_groups); megatron-core needs one or more KV heads per rank")
     if layers < pp:
         raise ConfigError(f"parallel.pipeline_parallel={pp} exceeds the {layers} layers (model.num_layers)")
+    if parallel.stage_layers is not None and sum(parallel.stage_layers) != layers:
+        raise ConfigError(f"parallel.stage_layers={parallel.stage_layers} places {sum(parallel.stage_layers)} "
+                          f"layers; the model has {layers}")
+    if model.recompute_num_layers is not None and model.recompute_num_layers > layers:
+        raise ConfigError(f"model.recompute_num_layers={model.recompute_num_layers} exceeds the {layers} layers")
 
 
 # --------------------------------------------------------------------------- loading

@@ -86,6 +86,68 @@ def test_world_size_must_split_into_model_parallel_groups():
         cfg.parallel.data_parallel_size(6)
 
 
+# (overrides, world size, what the error must name): each shape splits globally (DP=1) but not per replica
+PER_REPLICA = [
+    # the case: 24 rows on DP=4 are 6 per replica, which 4 mini-batches cannot split (4 of 6 trained)
+    (["grpo.prompts_per_step=3", "rollout.n_samples=8", "advantage.group_size=8", "grpo.mini_batches=4",
+      "grpo.micro_batch_size=2", "parallel.tensor_parallel=2"], 8,
+     r"each replica's 6 of the grpo.prompts_per_step \* rollout.n_samples = 3 \* 8 = 24 responses over 4 "
+     r"data-parallel replicas .* grpo.mini_batches=4 .*grpo.micro_batch_size=2"),
+    # 12 rows do not split over 8 replicas at all
+    (["grpo.prompts_per_step=3", "rollout.n_samples=4", "advantage.group_size=4", "grpo.micro_batch_size=1"], 8,
+     r"= 3 \* 4 = 12 responses do not split over 8 data-parallel replicas \(world size 8 / "
+     r"\(parallel.tensor_parallel=1 x parallel.pipeline_parallel=1\)\)"),
+    # 16 rows, 2 per replica on DP=8: fine for mini-batches, not for micro-batches of 4
+    (["grpo.prompts_per_step=4", "rollout.n_samples=4", "advantage.group_size=4", "grpo.micro_batch_size=4"], 8,
+     r"each replica's 2 of .* 16 responses over 8 .*grpo.micro_batch_size=4 micro-batches"),
+    (["warm_start.sft_steps=1", "warm_start.sft_batch_size=6", "grpo.prompts_per_step=4", "rollout.n_samples=4",
+      "advantage.group_size=4", "grpo.micro_batch_size=1"], 4,
+     r"warm_start.sft_batch_size=6 does not split over 4 data-parallel replicas"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", PER_REPLICA)
+def test_batches_that_do_not_split_per_replica_are_rejected(overrides, world, message):
+    cfg = load(overrides)  # splits at DP=1
+    with pytest.raises(ConfigError, match=message):
+        cfg.check_world_size(world)
+
+
+def test_check_config_names_the_per_replica_split():
+    overrides = PER_REPLICA[0][0]
+    bad = _megadiv("check-config", *NEW_MODEL, *overrides, "--world-size", "8")
+    assert bad.returncode == 2 and "each replica's 6" in bad.stderr and "grpo.mini_batches=4" in bad.stderr
+    good = _megadiv("check-config", *NEW_MODEL, *overrides, "grpo.mini_batches=3", "--world-size", "8")
+    assert good.returncode == 0, good.stderr
+    assert load([*overrides, "grpo.mini_batches=3"]).check_world_size(8) == 4
+
+
+def test_stage_layers_and_recompute_are_validated():
+    cfg = load(["model.num_layers=4", "parallel.pipeline_parallel=2", "parallel.stage_layers=[1, 3]",
+                "model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"])
+    assert cfg.parallel.stage_layers == [1, 3] and cfg.model.recompute_method == "uniform"
+    assert load(["model.recompute_granularity=selective"]).model.recompute_granularity == "selective"
+    for overrides, message in [
+        (["model.num_layers=4", "parallel.pipeline_parallel=2", "parallel.stage_layers=[1, 2]"],
+         r"parallel.stage_layers=\[1, 2\] places 3 layers; the model has 4"),
+        (["parallel.pipeline_parallel=2", "parallel.stage_layers=[2]"], "each of the parallel.pipeline_parallel=2"),
+        (["model.num_layers=8", "parallel.pipeline_parallel=4", "parallel.stage_layers=[1, 2, 3, 2]"],
+         "middle stages equal"),
+        (["model.recompute_granularity=full"], "set exactly when model.recompute_granularity is 'full'"),
+        (["model.recompute_granularity=selective", "model.recompute_method=block", "model.recompute_num_layers=1"],
+         "set exactly when"),
+        (["model.recompute_granularity=full", "model.recompute_method=block", "model.recompute_num_layers=3"],
+         "model.recompute_num_layers=3 exceeds the 2 layers"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load(overrides)
+
+
+def test_context_parallel_is_not_a_key():
+    with pytest.raises(ConfigError, match="unknown config key 'parallel.context_parallel'"):
+        load(["parallel.context_parallel=2"])
+
+
 def test_hf_dir_supplies_the_head_counts(tmp_path):
     (tmp_path / "config.json").write_text('{"num_attention_heads": 9, "num_key_value_heads": 3, '
                                           '"num_hidden_layers": 30}')

@@ -50,41 +50,117 @@ def tiny_model(tmp_path_factory):
     from megadiv.models.tiny import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", tokenizer="bpe", vocab=301,
-                               hidden=64, heads=4, kv_heads=2, ffn=128, layers=2))
+                               hidden=64, heads=4, kv_heads=2, ffn=128, layers=3))
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_policy_steps_do_not_depend_on_the_layout(tiny_model, agg):
-    """TP=1, TP=2 and PP=2 (also DP=2 at TP=1) give the same losses, gradient norms, metrics and
-    updated weights: per-token loss scaling over micro-batches and DP, grad norms that count each
-    TP shard once (megatron-core sets TP attributes only with CPU init, see builder.py), metrics
-    reduced over stages. A NaN step is skipped without touching the weights."""
-    runs = {name: run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=400,
-                               args={"tp": tp, "pp": pp, "hf_dir": tiny_model, "agg": agg})
-            for name, (tp, pp, nproc) in {"tp1": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (1, 2, 2)}.items()}
-    ref = runs["tp1"][0]
+# (loss aggregation, optimizer, full-vocabulary regulariser): SGD shows the gradient itself in the
+# weights; Adam at DP > 1 runs megatron's distributed optimizer (ZeRO-1 over DP).
+SGD, ADAM, REGULARIZED = ("token-mean", "sgd", None), ("seq-mean-token-mean", "adam", None), \
+    ("token-mean", "sgd", "full_prob_l2")
+# name -> (TP, PP, ranks, extra args). DP = ranks / (TP x PP); each replica trains its own rows of
+# the same global batch. Recompute and an explicit uneven stage split ride along: they must not
+# change the maths either.
+LAYOUTS = {
+    "tp1": (1, 1, 1, {}),
+    "tp2": (2, 1, 2, {}),
+    "pp2": (1, 2, 2, {"stage_layers": [2, 1]}),
+    "dp2": (1, 1, 2, {"model": {"recompute_granularity": "selective"}}),
+    "tp2dp2": (2, 1, 4, {"model": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                   "recompute_num_layers": 1}}),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tiny_model):
+    """One torchrun launch per layout, every run inside it: {layout: per-rank results}."""
+    return {name: run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=600,
+                               args={"tp": tp, "pp": pp, "hf_dir": tiny_model, **extra,
+                                     "runs": [SGD, ADAM] + ([REGULARIZED] if pp == 1 else [])})
+            for name, (tp, pp, nproc, extra) in LAYOUTS.items()}
+
+
+# Tolerances (float32 weights, float64 metric reductions): the layouts sum the same terms in other
+# orders (TP all-reduces, DP gradient reduce-scatter, micro-batch accumulation), and three steps
+# (SGD at lr 0.5) carry that rounding on; gloo's reductions are deterministic, so each layout gives
+# the same figures every run. Observed against TP=1 x DP=1: losses, KL and grad norms <= 3e-6
+# relative; weights after three SGD steps <= 1.4e-6 absolute (weights ~0.02-1). Adam divides by
+# sqrt(v): where a gradient element is near zero, rounding noise becomes an update difference of a
+# fraction of lr = 1e-3 (observed <= 6.1e-6 at TP=2 x DP=2), hence its looser weight tolerance.
+METRIC_TOL = dict(rel=1e-5, abs=1e-6)
+WEIGHT_TOL = {"sgd": dict(rtol=0, atol=3e-6), "adam": dict(rtol=0, atol=1e-5)}
+
+
+def _assert_same_training(run, ref, name, keys, optimizer):
+    for s, s_ref in zip(run["steps"], ref["steps"], strict=True):
+        for key in keys:
+            assert s[key] == pytest.approx(s_ref[key], **METRIC_TOL), (name, key, s[key], s_ref[key])
+    assert run["weights"].keys() == ref["weights"].keys()
+    for k, w in run["weights"].items():
+        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m: f"{name} {k}: {m}")
+    assert run["logp_sum"] == pytest.approx(ref["logp_sum"], rel=5e-6), name  # observed <= 1.2e-6
+
+
+@pytest.mark.parametrize("run", [SGD, ADAM], ids=["sgd-token-mean", "adam-seq-mean-token-mean"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2dp2"])
+def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
+    """TP=2, PP=2, DP=2 (TP=1) and TP=2 x DP=2 each train like TP=1 x DP=1 on the same global batch:
+    the same losses, gradient norms, metrics and weights after three steps (per-token loss scaling
+    over micro-batches and DP replicas, grad norms that count each TP shard once, see builder.py,
+    metrics reduced over stages and replicas, Adam sharded over DP). A NaN step is skipped on every
+    rank without touching the weights."""
+    ref = layout_runs["tp1"][0][run]
     assert ref["steps"][-1]["loss/total"] != ref["steps"][0]["loss/total"]  # it learns
-    for name, results in runs.items():
-        for r in results:
-            assert r["skipped"] == 1.0 and r["unchanged"]
-            for s, s_ref in zip(r["steps"], ref["steps"]):
-                for key in ("loss/total", "loss/kl", "grad_norm", "entropy", "clip/frac_low", "clip/frac_high",
-                            "ratio/max", "ratio/min", "ref/k3"):
-                    assert s[key] == pytest.approx(s_ref[key], rel=1e-5, abs=1e-6), (name, key)
-        last = [r["logp_sum"] for r in results if r["logp_sum"] is not None]
-        assert last and last[0] == pytest.approx(ref["logp_sum"], rel=1e-5), name
+    tp, pp, nproc, _ = LAYOUTS[layout]
+    assert all(r["dp_size"] == nproc // (tp * pp) for r in layout_runs[layout])
+    for rank, r in enumerate(layout_runs[layout]):
+        assert r[run]["skipped"] == 1.0 and r[run]["unchanged"]
+        _assert_same_training(r[run], ref, f"{layout} rank {rank}",
+                              ("loss/total", "loss/kl", "grad_norm", "entropy", "clip/frac_low", "clip/frac_high",
+                               "ratio/max", "ratio/min", "ref/k3"), optimizer=run[1])
 
 
-def test_full_vocabulary_regularizer_in_training_does_not_depend_on_tp(tiny_model):
+def test_the_layouts_are_what_they_claim(layout_runs):
+    """Adam runs megatron's distributed optimizer (sharded over DP; at DP=1 too, for one checkpoint
+    format), SGD the plain one; the uneven stage split and the recompute settings reach megatron."""
+    everywhere = [r for runs in layout_runs.values() for r in runs]
+    assert {r[ADAM]["optimizer"] for r in everywhere} == {"DistributedOptimizer"}
+    assert {r[SGD]["optimizer"] for r in everywhere} == {"FP32Optimizer"}
+    assert [r[SGD]["layers_here"] for r in layout_runs["pp2"]] == [2, 1]
+    assert {r[SGD]["recompute"] for r in layout_runs["dp2"]} == {("selective", None, None)}
+    assert {r[SGD]["recompute"] for r in layout_runs["tp2dp2"]} == {("full", "uniform", 1)}
+    assert layout_runs["tp1"][0][SGD]["recompute"] == (None, None, None)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "tp2dp2"])
+def test_full_vocabulary_regularizer_in_training_does_not_depend_on_the_layout(layout_runs, layout):
     """A full-vocabulary ProbL2 regulariser on the actor's and the reference's logit shards (the
-    reference logits recomputed per micro-batch and consumed): TP=2 trains exactly like TP=1."""
-    runs = [run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=400,
-                         args={"tp": tp, "pp": 1, "hf_dir": tiny_model, "agg": "token-mean",
-                               "regularizer": "full_prob_l2"})
-            for tp, nproc in ((1, 1), (2, 2))]
-    ref = runs[0][0]
+    reference logits recomputed per micro-batch and consumed) trains exactly like at TP=1 x DP=1."""
+    ref = layout_runs["tp1"][0][REGULARIZED]
     assert ref["steps"][-1]["loss/regularizer"] > 0
-    for r in runs[1]:
-        for s, s_ref in zip(r["steps"], ref["steps"]):
-            for key in ("loss/total", "loss/regularizer", "grad_norm", "entropy"):
-                assert s[key] == pytest.approx(s_ref[key], rel=1e-5, abs=1e-7), key
+    for rank, r in enumerate(layout_runs[layout]):
+        _assert_same_training(r[REGULARIZED], ref, f"{layout} rank {rank}",
+                              ("loss/total", "loss/regularizer", "grad_norm", "entropy"), optimizer="sgd")
+
+
+@pytest.mark.slow
+def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
+    """Adam with the distributed optimizer at TP=1 x DP=2: two steps, a checkpoint, a third step.
+    The checkpoint loaded by fresh actors at DP=1 and at TP=2 continues with the same third step:
+    loss, grad norm, LR and weights equal the uninterrupted run to float32 reduction-order error
+    (the optimizer state in the checkpoint is model-space, 'fully_reshardable')."""
+    run_dir = str(tmp_path / "run")
+    straight = run_torchrun("tests.dist.trainer_checkpoint:save_then_continue", 2, timeout_s=600,
+                            args={"tp": 1, "hf_dir": tiny_model, "run_dir": run_dir})
+    assert {r["optimizer"] for r in straight} == {"DistributedOptimizer"}
+    ref = straight[0]
+    for tp, nproc in ((1, 1), (2, 2)):
+        resumed = run_torchrun("tests.dist.trainer_checkpoint:resume_and_step", nproc, timeout_s=600,
+                               args={"tp": tp, "hf_dir": tiny_model, "run_dir": run_dir})
+        for r in resumed:
+            assert r["state"] == {"step": 2} and r["dp_size"] == nproc // tp
+            assert r["third"]["lr"] == ref["third"]["lr"]
+            for key in ("loss/total", "grad_norm", "entropy"):
+                assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, key)
+            for k, w in r["weights"].items():
+                torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
+                                           msg=lambda m: f"TP={tp} {k}: {m}")

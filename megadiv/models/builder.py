@@ -80,9 +80,9 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
     megadiv.parallel.initialize() must have run: TP, PP and virtual PP sizes come from megatron's
     parallel state; ``parallel`` (optional) supplies sequence_parallel and is checked against it.
     ``load_weights`` streams the HF safetensors (False: leave megatron's random init, e.g. before
-    loading a megatron checkpoint). ``stage_layers`` forces the layers per PP stage (see
-    sharding.stage_layer_counts for the default). ``config_overrides`` are extra TransformerConfig
-    fields (recompute settings, ...). A ``reference`` model is frozen: eval mode, no gradients.
+    loading a megatron checkpoint). ``stage_layers`` (default: ``parallel.stage_layers``) forces
+    the layers per PP stage (see sharding.stage_layer_counts for the default). ``config_overrides``
+    are extra TransformerConfig fields. A ``reference`` model is frozen: eval mode, no gradients.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -104,6 +104,8 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
         raise ConfigError(f"parallel config TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel} does not "
                           f"match the initialised parallel state TP={tp} PP={pp}")
     _check_divisible(arch, tp, pp)
+    if stage_layers is None and parallel is not None:
+        stage_layers = parallel.stage_layers
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_multiple)
 
     config = transformer_config(arch, family, cfg, tp=tp, pp=pp, vpp=vpp,
@@ -165,6 +167,9 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         # CPU init routine (tensor_parallel/layers.py, _initialize_affine_weight_cpu), and the
         # gradient-norm and clipping code needs them to count each TP shard once.
         perform_initialization=initialize or not cuda,
+        # activation recompute (megatron applies it in training mode only: never to the reference)
+        recompute_granularity=None if cfg.recompute_granularity == "none" else cfg.recompute_granularity,
+        recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
         batch_p2p_sync=cuda,  # True calls torch.cuda.synchronize() around p2p
     )
     if cfg.fp8 != "none":

@@ -1,4 +1,4 @@
-"""Process groups for torchrun launches and megatron-core's parallel state (TP, PP, CP, DP)."""
+"""Process groups for torchrun launches and megatron-core's parallel state (TP, PP, DP)."""
 from megadiv.parallel.distributed import ParallelInfo, info, initialize, shutdown
 
 __all__ = ["ParallelInfo", "info", "initialize", "shutdown"]

@@ -63,6 +63,11 @@ class _State:
     saved: dict = {}
 
 
+def _recompute_backward_on_cpu(ctx, *grads):
+    with _CudaToCpu():
+        return _State.saved["recompute_backward"](ctx, *grads)
+
+
 def enabled() -> bool:
     return _State.mode is not None
 
@@ -82,7 +87,11 @@ def enable(allow_untested: bool = False) -> None:
             f"megatron-core {version} has not been tested with megadiv's CPU compatibility layer "
             f"(tested: {', '.join(TESTED_MEGATRON_VERSIONS)}); set parallel.allow_untested_megatron=true "
             f"to try it anyway")
-    _State.saved = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize}
+    from megatron.core.tensor_parallel import random as tp_random
+
+    _State.saved = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
+                    "get_rng": tp_random._get_cuda_rng_state, "set_rng": tp_random._set_cuda_rng_state,
+                    "recompute_backward": tp_random.CheckpointFunction.backward}
     # megatron-core utils.py:631, tensor_parallel/mappings.py:91,141,148,181, p2p_communication.py:190-202,
     # optimizer.py:1141, distrib_optimizer.py:791 allocate on torch.cuda.current_device().
     torch.cuda.current_device = lambda: "cpu"
@@ -91,12 +100,21 @@ def enable(allow_untested: bool = False) -> None:
     # pipeline_parallel/schedules.py:596,983,2138; optimizer/optimizer.py:473,481,485,907;
     # optimizer/clip_grads.py:90,103,115,174,207 create tensors with device="cuda";
     # optimizer.py:671,690, distrib_optimizer.py:361,420,582, clip_grads.py:167 check param.type().
+    # tensor_parallel/random.py:447,457: activation recompute (CheckpointFunction) saves and restores
+    # the CUDA RNG state around the recomputed forward; there is none (and dropout is 0).
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    # The recomputed forward runs inside autograd's backward, where torch function modes are not
+    # active: CheckpointFunction.backward (tensor_parallel/random.py:530) re-enters the mode, e.g.
+    # for the causal mask made with device="cuda" (transformer/utils.py:35).
+    tp_random.CheckpointFunction.backward = staticmethod(_recompute_backward_on_cpu)
     _State.mode = _CudaToCpu()
     _State.mode.__enter__()
     log.warning(
         "megadiv CPU compatibility layer on (megatron-core %s): torch.cuda.current_device() -> 'cpu', "
         "torch.cuda.synchronize() -> no-op, device='cuda' arguments -> cpu, Tensor.type() reports "
-        "torch.cuda.* names, Tensor.cuda() -> identity. See docs/cpu.md.", version)
+        "torch.cuda.* names, Tensor.cuda() -> identity, no CUDA RNG state around recompute. See docs/cpu.md.",
+        version)
 
 
 def disable() -> None:
@@ -105,4 +123,8 @@ def disable() -> None:
     _State.mode.__exit__(None, None, None)
     torch.cuda.current_device = _State.saved["current_device"]
     torch.cuda.synchronize = _State.saved["synchronize"]
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state, tp_random._set_cuda_rng_state = _State.saved["get_rng"], _State.saved["set_rng"]
+    tp_random.CheckpointFunction.backward = staticmethod(_State.saved["recompute_backward"])
     _State.mode = None

@@ -3,7 +3,7 @@
 ``torchrun --nproc_per_node N`` (or ``--nnodes``/``--rdzv_endpoint`` for several nodes) sets RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; :func:`initialize` reads them, opens the
 default process group (NCCL on GPUs, gloo on CPU) with the config's timeout, and builds
-megatron-core's TP/PP/CP/DP groups. A plain ``python`` process (no torchrun) runs as a world of
+megatron-core's TP/PP/DP groups. A plain ``python`` process (no torchrun) runs as a world of
 one. Megatron's rank order is tp-cp-ep-dp-pp: TP ranks are adjacent, so a TP group stays on one
 node whenever TP divides the GPUs per node.
 """
@@ -83,7 +83,6 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
         tensor_model_parallel_size=cfg.tensor_parallel,
         pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
-        context_parallel_size=cfg.context_parallel,
         distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
     )
     torch.manual_seed(seed)

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from megadiv.models.checkpoint import sharded_state_dict
 from megadiv.trainer.policy import Policy
 
-# Distributed-optimizer state sharded so that it reloads at the same TP/PP/DP layout (megatron-core
-# rejects its default 'fully_sharded_model_space' on this path, see docs/cpu.md).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
+# optimizer's), gathered over DP on save and sliced on load: it reloads at another TP, PP or DP
+# size (megatron-core rejects its default 'fully_sharded_model_space' on this path, docs/cpu.md).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -78,20 +79,43 @@ def load_checkpoint(path: Path, actor: Policy) -> dict:
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
         gpt.load_state_dict(state[key])
     with torch.no_grad():
-        actor.optimizer.load_state_dict(state["optimizer"])
-    # megatron-core's distributed optimizer (distrib_optimizer.py:825, without Apex/TE) loads ONE
-    # 'step' tensor into every parameter's state; torch's Adam increments it in place per parameter,
-    # so each parameter would see another step count. Give each its own copy.
-    for inner in _adam_steps(actor.optimizer):
-        for st in inner.state.values():
-            if "step" in st:
-                st["step"] = st["step"].clone()
+        _load_optimizer(actor.optimizer, state["optimizer"])
     actor.scheduler.load_state_dict(state["scheduler"])
     rng = path / f"rng_{dist.get_rank()}.pt"
     if not rng.is_file():
         raise FileNotFoundError(f"{rng} is missing: {path} was written by a job with another world size")
     _set_rng_state(torch.load(rng, weights_only=False))
     return state["trainer"]
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around two defects of megatron-core's
+    distributed optimizer without Apex/TE (0.16.1):
+
+    * loading 'fully_reshardable' parameter state copies every key of a parameter's optimizer
+      state from the checkpoint, 'step' included, which the checkpoint does not hold
+      (distrib_optimizer.py:937, KeyError 'step'): the parameter state is loaded here, with each
+      'step' set aside meanwhile;
+    * the load writes ONE 'step' tensor into every parameter's state (distrib_optimizer.py:825);
+      torch's Adam increments it in place per parameter, so each would see another step count:
+      each parameter gets its own copy."""
+    param_state = None
+    if state.get("param_state_sharding_type") == "fully_reshardable":
+        state = dict(state)
+        del state["param_state_sharding_type"]
+        param_state = state.pop("param_state")
+    optimizer.load_state_dict(state)
+    inner_states = [st for inner in _adam_steps(optimizer) for st in inner.state.values()]
+    if param_state is not None:
+        (distributed,) = getattr(optimizer, "chained_optimizers", [optimizer])  # one per dense model
+        steps = [st.pop("step", None) for st in inner_states]
+        distributed.load_parameter_state_from_fully_reshardable(param_state)
+        for st, step in zip(inner_states, steps):
+            if step is not None:
+                st["step"] = step
+    for st in inner_states:
+        if "step" in st:
+            st["step"] = st["step"].clone()
 
 
 def _state_template(actor: Policy, is_loading: bool) -> dict:

@@ -2,10 +2,10 @@
 
 Several YAML files merge left to right (e.g. task, model, algorithm: examples/gsm8k/README.md);
 overrides apply last.
-The config is loaded and validated (keys, types, combinations, and the world size against
-TP x PP x CP) before any process group exists. ``--nproc N`` relaunches this command under
-``torchrun --nproc_per_node N`` on this machine; for several nodes, call torchrun yourself:
-``torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint HOST:PORT -m megadiv.cli train CONFIG``.
+The config is loaded and validated (keys, types, combinations, the world size against TP x PP,
+and every batch against the DP replicas) before any process group exists. ``--nproc N``
+relaunches this command under ``torchrun --nproc_per_node N`` on this machine; for several
+nodes, run examples/launch/multinode.sh on each (``torchrun --nnodes N ... -m megadiv.cli train``).
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, required: bool = True)
 
 
 def load_train_config(args: argparse.Namespace, world_size: int | None) -> TrainConfig:
-    """The validated config of ``args``; with ``world_size``, also checked against TP x PP x CP."""
+    """The validated config of ``args``; with ``world_size``, also checked against TP x PP and the
+    per-replica batch split."""
     paths, overrides = split_config_args(args.args)
     cfg = load_config(TrainConfig, paths, overrides)
     if world_size is not None:
-        cfg.parallel.data_parallel_size(world_size)
+        cfg.check_world_size(world_size)
     return cfg
 
 

@@ -13,7 +13,8 @@ from megadiv.trainer.cli import add_config_arguments, load_train_config
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, required=False)
     parser.add_argument("--world-size", type=int, default=None,
-                        help="also check that this many ranks split into TP x PP x CP x DP")
+                        help="also check that this many ranks split into TP x PP x DP and that every batch "
+                             "splits exactly over the DP replicas")
 
 
 def run(args: argparse.Namespace) -> int:

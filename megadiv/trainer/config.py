@@ -1,6 +1,6 @@
 """The run config of ``megadiv train``: one frozen section per component.
 
-    parallel   megadiv.config.ParallelConfig       TP / PP / CP sizes, collective timeout
+    parallel   megadiv.config.ParallelConfig       TP / PP sizes, stage split, collective timeout
     model      megadiv.config.ModelConfig          the HF checkpoint (or a tiny one made on the spot)
     optim      megadiv.config.OptimConfig          Megatron optimizer and LR schedule
     data       megadiv.data.DataConfig             training prompts
@@ -160,17 +160,40 @@ class TrainConfig:
         if self.advantage.group_size != self.rollout.n_samples:
             raise ConfigError(f"advantage.group_size ({self.advantage.group_size}) must equal rollout.n_samples "
                               f"({self.rollout.n_samples}): both are the GRPO group size")
-        rows = self.grpo.prompts_per_step * self.rollout.n_samples
-        if rows % self.grpo.mini_batches or (rows // self.grpo.mini_batches) % self.grpo.micro_batch_size:
-            raise ConfigError(
-                f"grpo.prompts_per_step * rollout.n_samples = {rows} responses must split into grpo.mini_batches="
-                f"{self.grpo.mini_batches} mini-batches of whole grpo.micro_batch_size={self.grpo.micro_batch_size} "
-                f"micro-batches")
+        self._check_batch_split(data_parallel=1)
         if self.uses_vocab_regularizer and self.parallel.pipeline_parallel > 1:
             raise ConfigError(f"loss.regularizer={self.loss.regularizer} is a full-vocabulary measure: it needs the "
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
+
+    def check_world_size(self, world_size: int) -> int:
+        """The data-parallel size on ``world_size`` ranks; raises ConfigError unless the world
+        splits into TP x PP x DP and every batch splits exactly over the DP replicas."""
+        data_parallel = self.parallel.data_parallel_size(world_size)
+        self._check_batch_split(data_parallel, world_size)
+        return data_parallel
+
+    def _check_batch_split(self, data_parallel: int, world_size: int = 1) -> None:
+        """Each replica trains rows/DP rows as grpo.mini_batches mini-batches of whole micro-batches:
+        every division exact, or rows would be dropped."""
+        g, n = self.grpo, self.rollout.n_samples
+        rows = g.prompts_per_step * n
+        where = (f" over {data_parallel} data-parallel replicas (world size {world_size} / (parallel.tensor_parallel="
+                 f"{self.parallel.tensor_parallel} x parallel.pipeline_parallel={self.parallel.pipeline_parallel}))"
+                 if data_parallel > 1 else "")
+        if rows % data_parallel:
+            raise ConfigError(f"grpo.prompts_per_step * rollout.n_samples = {g.prompts_per_step} * {n} = {rows} "
+                              f"responses do not split{where}")
+        per_replica = rows // data_parallel
+        share = f"each replica's {per_replica} of the " if data_parallel > 1 else "the "
+        if per_replica % g.mini_batches or (per_replica // g.mini_batches) % g.micro_batch_size:
+            raise ConfigError(
+                f"{share}grpo.prompts_per_step * rollout.n_samples = {g.prompts_per_step} * {n} = {rows} responses"
+                f"{where} must split into grpo.mini_batches={g.mini_batches} mini-batches of whole "
+                f"grpo.micro_batch_size={g.micro_batch_size} micro-batches")
+        if self.warm_start.sft_steps and self.warm_start.sft_batch_size % data_parallel:
+            raise ConfigError(f"warm_start.sft_batch_size={self.warm_start.sft_batch_size} does not split{where}")
 
     @property
     def uses_vocab_regularizer(self) -> bool:

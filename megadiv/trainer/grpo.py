@@ -36,6 +36,7 @@ class NonFiniteError(RuntimeError):
 def train(cfg: TrainConfig) -> Path:
     """Run ``cfg`` to the end; returns the run directory (summary.json, metrics.jsonl, curves.png)."""
     info = parallel.initialize(cfg.parallel, cfg.run.seed)
+    cfg.check_world_size(info.world_size)  # every batch splits exactly over the DP replicas
     run_dir = _prepare_run_dir(cfg, info.rank)
     driver = None
     try:
@@ -122,12 +123,8 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
     regularizer = DIVERGENCES[cfg.loss.regularizer](consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
-    size = len(batch) // cfg.grpo.mini_batches
-    steps = []
-    for epoch in range(cfg.grpo.ppo_epochs):
-        for k in range(cfg.grpo.mini_batches):
-            steps.append(actor.train_step(batch.rows(slice(k * size, (k + 1) * size)), objective, mbs,
-                                          regularizer, reference))
+    steps = [actor.train_step(mini_batch, objective, mbs, regularizer, reference)
+             for epoch in range(cfg.grpo.ppo_epochs) for mini_batch in batch.split(cfg.grpo.mini_batches)]
     metrics = {key: sum(m[key] for m in steps) / len(steps) for key in steps[-1]}
     metrics["skipped"] = max(m["skipped"] for m in steps)
     return metrics

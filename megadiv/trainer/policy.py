@@ -52,8 +52,17 @@ class SequenceBatch:
         return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
                                 for f in fields(self)})
 
-    def micro_batches(self, size: int) -> list["SequenceBatch"]:
+    def split(self, parts: int) -> list["SequenceBatch"]:
+        """``parts`` equal consecutive slices; an uneven split is an error, never a dropped row."""
+        if len(self) % parts:
+            raise ValueError(f"{len(self)} rows do not split into {parts} equal parts")
+        size = len(self) // parts
         return [self.rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def micro_batches(self, size: int) -> list["SequenceBatch"]:
+        if len(self) % size:
+            raise ValueError(f"{len(self)} rows do not split into micro-batches of {size}")
+        return self.split(len(self) // size)
 
     @classmethod
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
@@ -75,8 +84,8 @@ class SequenceBatch:
 
 class Policy:
     """One rank's share of a policy model. ``role='reference'`` builds a frozen copy without
-    optimizer state; ``role='actor'`` adds Megatron DDP, the Megatron optimizer (distributed when
-    DP > 1) and the LR schedule."""
+    optimizer state; ``role='actor'`` adds Megatron DDP, the Megatron optimizer (distributed, i.e.
+    sharded over DP, for Adam) and the LR schedule."""
 
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
@@ -98,15 +107,15 @@ class Policy:
             self._init_training(optim_cfg or OptimConfig(), total_steps)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
-        from megatron.core import parallel_state
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         config = self.model.config
-        # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam only)
-        use_distributed_optimizer = parallel_state.get_data_parallel_world_size() > 1 and optim.optimizer == "adam"
+        # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam
+        # only); also at DP=1, so that Adam's checkpoints have one format at every DP size
+        use_distributed_optimizer = optim.optimizer == "adam"
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
             average_in_collective=False)  # per-token loss: megatron divides by the global denominator

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import DIVERGENCES, PolicyLossConfig
@@ -9,40 +10,61 @@ from megadiv.parallel import initialize
 from megadiv.trainer.objectives import grpo_objective
 from megadiv.trainer.policy import Policy, SequenceBatch
 
+ROWS = 8  # the global batch: every layout trains on these rows, each DP replica on its own slice
+
 
 def _batch() -> SequenceBatch:
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 90, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (8,), generator=g)]
-    responses = [torch.randint(0, 90, (int(n),), generator=g).tolist() for n in torch.randint(1, 8, (8,), generator=g)]
-    return SequenceBatch.pack(prompts, responses, pad_id=0, advantages=torch.randn(8, generator=g))
+    prompts = [torch.randint(0, 90, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (ROWS,), generator=g)]
+    responses = [torch.randint(0, 90, (int(n),), generator=g).tolist() for n in torch.randint(1, 8, (ROWS,), generator=g)]
+    return SequenceBatch.pack(prompts, responses, pad_id=0, advantages=torch.randn(ROWS, generator=g))
 
 
 def policy_steps(ctx):
-    """Three SGD steps of a k3-clipped loss with a KL penalty: figures that must not depend on the
-    layout (per-token loss scaling, grad norm over TP shards, metric reduction)."""
+    """For each run in ``runs`` (loss aggregation, optimizer, optional full-vocabulary regulariser):
+    three steps of a k3-clipped loss with a KL penalty on this replica's rows of the global batch,
+    then a NaN step that must be skipped. The figures must not depend on the layout (per-token loss
+    scaling over micro-batches and DP replicas, grad norms over TP shards and DP, metric reduction,
+    the distributed optimizer over DP). ``model`` holds extra ModelConfig fields (recompute)."""
     a = ctx.args
-    initialize(ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"]), seed=1)
-    model = ModelConfig(hf_dir=a["hf_dir"])
-    actor = Policy(model, ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"]), "actor",
-                   OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), total_steps=3, temperature=0.7)
-    reference = Policy(model, ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"]), "reference",
-                       temperature=0.7)
-    batch = _batch()
-    batch.logp_ref = reference.log_probs(batch, micro_batch_size=2)
-    batch.logp_old = actor.log_probs(batch, micro_batch_size=2)
-    regularizer = a.get("regularizer")
-    loss = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, kl_coef=0.1,
-                            loss_agg=a["agg"], regularizer=regularizer, regularizer_coef=0.5 if regularizer else 0.0)
-    vocab_div = DIVERGENCES[regularizer](consume_base=True) if regularizer else None
-    steps = [actor.train_step(batch, grpo_objective(loss), micro_batch_size=2, regularizer=vocab_div,
-                              reference=reference) for _ in range(3)]
-    # a NaN advantage makes every gradient NaN: the step must be skipped, the weights untouched
-    before = [p.detach().clone() for p in actor.model.gpt_models[0].parameters()]
-    bad = batch.rows(slice(0, 8))
-    bad.advantages = torch.full((8,), float("nan"))
-    skipped = actor.train_step(bad, grpo_objective(loss), micro_batch_size=2, regularizer=vocab_div,
-                               reference=reference)
-    unchanged = all(torch.equal(x, p) for x, p in zip(before, actor.model.gpt_models[0].parameters()))
-    logp = actor.log_probs(batch, micro_batch_size=4)
-    return {"steps": steps, "skipped": skipped["skipped"], "unchanged": unchanged,
-            "logp_sum": None if logp is None else float((logp * batch.loss_mask).sum())}
+    parallel = ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"], stage_layers=a.get("stage_layers"))
+    info = initialize(parallel, seed=1)
+    model = ModelConfig(hf_dir=a["hf_dir"], **a.get("model", {}))
+    per_replica = ROWS // info.dp_size
+    mine = slice(info.dp_rank * per_replica, (info.dp_rank + 1) * per_replica)
+    out = {"dp_size": info.dp_size}
+    for agg, optimizer, regularizer in a["runs"]:
+        optim = (OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0) if optimizer == "sgd"
+                 else OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0))
+        actor = Policy(model, parallel, "actor", optim, total_steps=3, temperature=0.7)
+        reference = Policy(model, parallel, "reference", temperature=0.7)
+        batch = _batch().rows(mine)
+        batch.logp_ref = reference.log_probs(batch, micro_batch_size=2)
+        batch.logp_old = actor.log_probs(batch, micro_batch_size=2)
+        loss = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, kl_coef=0.1, loss_agg=agg,
+                                regularizer=regularizer, regularizer_coef=0.5 if regularizer else 0.0)
+        vocab_div = DIVERGENCES[regularizer](consume_base=True) if regularizer else None
+        steps = [actor.train_step(batch, grpo_objective(loss), micro_batch_size=2, regularizer=vocab_div,
+                                  reference=reference) for _ in range(3)]
+        weights = {name: t for bucket in actor.export_buckets(64 << 20) for name, t in bucket}
+        # a NaN advantage makes every gradient NaN: the step must be skipped, the weights untouched
+        before = [p.detach().clone() for p in actor.model.gpt_models[0].parameters()]
+        bad = batch.rows(slice(0, len(batch)))
+        bad.advantages = torch.full((len(batch),), float("nan"))
+        skipped = actor.train_step(bad, grpo_objective(loss), micro_batch_size=2, regularizer=vocab_div,
+                                   reference=reference)
+        unchanged = all(torch.equal(x, p) for x, p in zip(before, actor.model.gpt_models[0].parameters()))
+        # sum over the global batch of the updated policy's log-probs: each last stage sums its rows
+        logp = actor.log_probs(batch, micro_batch_size=2)
+        counted = logp is not None and info.tp_rank == 0  # each row once: its replica's TP rank 0, last stage
+        logp_sum = torch.tensor(float((logp * batch.loss_mask).sum()) if counted else 0.0, dtype=torch.float64)
+        dist.all_reduce(logp_sum)
+        gpt = actor.model.gpt_models[0]
+        out[(agg, optimizer, regularizer)] = {
+            "steps": steps, "skipped": skipped["skipped"], "unchanged": unchanged, "weights": weights,
+            "logp_sum": float(logp_sum),
+            "layers_here": len(gpt.decoder.layers),
+            "recompute": (gpt.config.recompute_granularity, gpt.config.recompute_method,
+                          gpt.config.recompute_num_layers),
+            "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__}
+    return out

@@ -1,0 +1,50 @@
+"""Rank bodies for tests/test_trainer_units.py: a training checkpoint written at one layout and
+resumed at another (megadiv.trainer.checkpoint with megatron's distributed optimizer)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+from megadiv.divergence import PolicyLossConfig
+from megadiv.parallel import initialize
+from megadiv.trainer import checkpoint
+from megadiv.trainer.objectives import grpo_objective
+from megadiv.trainer.policy import Policy
+from tests.dist.trainer_policy import ROWS, _batch
+
+LOSS = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, loss_agg="token-mean")
+OPTIM = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, warmup_steps=1, decay_style="linear")
+
+
+def _step(actor: Policy, info) -> dict:
+    per = ROWS // info.dp_size
+    batch = _batch().rows(slice(info.dp_rank * per, (info.dp_rank + 1) * per))
+    return actor.train_step(batch, grpo_objective(LOSS), micro_batch_size=2)
+
+
+def save_then_continue(ctx):
+    """Two Adam steps, a checkpoint, then the third step: the uninterrupted reference."""
+    a = ctx.args
+    parallel = ParallelConfig(tensor_parallel=a["tp"])
+    info = initialize(parallel, seed=1)
+    actor = Policy(ModelConfig(hf_dir=a["hf_dir"]), parallel, "actor", OPTIM, total_steps=3)
+    for _ in range(2):
+        _step(actor, info)
+    checkpoint.save_checkpoint(Path(a["run_dir"]), 2, actor, {"step": 2}, keep_last=1)
+    third = _step(actor, info)
+    return {"third": third, "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b},
+            "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__}
+
+
+def resume_and_step(ctx):
+    """A fresh actor at this layout, loaded from the checkpoint, then the third step."""
+    a = ctx.args
+    parallel = ParallelConfig(tensor_parallel=a["tp"])
+    info = initialize(parallel, seed=2)  # another seed: everything must come from the checkpoint
+    actor = Policy(ModelConfig(hf_dir=a["hf_dir"]), parallel, "actor", OPTIM, total_steps=3)
+    state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(Path(a["run_dir"])), actor)
+    third = _step(actor, info)
+    return {"state": state, "third": third, "dp_size": info.dp_size,
+            "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b}}
