@@ -50,6 +50,10 @@ class GRPOConfig:
     reaching -overlong_penalty at max_new_tokens; 0 disables."""
     overlong_penalty: float = 1.0
     """Reward lost by a response of max_new_tokens under overlong shaping."""
+    mask_truncated: bool = False
+    """Drop completions that hit rollout.max_new_tokens from the loss (their loss mask is zeroed;
+    they still count in their group's advantage baseline), as TRL's mask_truncated_completions,
+    which the GBMPO authors train with."""
     log_probs_chunk: int | None = None
     """Token rows per chunk of the vocab-parallel log-prob/entropy (None: sized to ~2 MiB)."""
     max_nonfinite_steps: int = 3
@@ -77,7 +81,11 @@ class GRPOConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     data: DataConfig | None = None
-    """Held-out split; None: no evaluation."""
+    """Held-out split, graded with the training reward (eval/accuracy, summary.json); None: none."""
+    extra_data: tuple[DataConfig, ...] = ()
+    """Further held-out splits (e.g. MATH-500, AIME24, AIME25), each graded with its dataset's own
+    reward (math-verify, the code sandbox, exact match) and logged as eval/<name>_<split>/pass@1
+    (and avg@k, pass@k)."""
     every: int = 0
     """Evaluate every N steps (0: only before and after training)."""
     max_new_tokens: int | None = None
