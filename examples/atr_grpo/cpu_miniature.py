@@ -16,7 +16,7 @@ All values are ours (the paper trains Qwen3 on maths; this is a smoke-scale anal
   DAPO     clip-higher [0.8, 1.28], token mean, dynamic sampling (3 extra rounds); no overlong
            shaping (answers are at most 4 tokens)
   ATR-GRPO GRPO with the clip replaced by k3(w) <= delta, one delta on both sides (--delta, 0.05:
-           w in [0.716, 1.350], `megadiv bounds k3 0.05`)
+           w in [0.716, 1.350], `megadiv bounds --delta 0.05`)
 """
 from __future__ import annotations
 
