@@ -94,3 +94,18 @@ def test_gbmpo_recipes_validate_with_the_authors_values(task, checkpoint_stub):
     else:
         assert dr.reward.name == "code_shaped" and dr.eval.data.split == "test" and dr.rollout.n_samples == 32
         assert (dr.optim.lr, dr.rollout.temperature, dr.rollout.top_p) == (1e-5, 0.8, 0.9)
+
+
+def test_enable_thinking_is_checked_against_the_checkpoints_template(checkpoint_stub, tmp_path):
+    from megadiv.config import ConfigError
+
+    args = [f"model.hf_dir={checkpoint_stub}", "data.enable_thinking=true"]
+    with pytest.raises(ConfigError, match="has no thinking mode"):
+        load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]], args)
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text((checkpoint_stub / "config.json").read_text())
+    (qwen3 / "chat_template.jinja").write_text("{% if enable_thinking is defined and not enable_thinking %}{% endif %}")
+    cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]],
+                      [f"model.hf_dir={qwen3}", "data.enable_thinking=true"])
+    assert cfg.data.enable_thinking is True

@@ -18,7 +18,9 @@ Every key is documented in docs/training.md.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, check_model_parallel
@@ -179,6 +181,10 @@ class TrainConfig:
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
+        thinking = [d for d in (self.data, self.eval.data, *self.eval.extra_data) if d and d.enable_thinking]
+        if thinking and self.model.has_checkpoint() and "enable_thinking" not in _chat_template_text(self.model.hf_dir):
+            raise ConfigError(f"data.enable_thinking=true ({thinking[0].name}:{thinking[0].split}) but the chat template "
+                              f"of {self.model.hf_dir} has no thinking mode (it never reads enable_thinking)")
 
     @property
     def uses_vocab_regularizer(self) -> bool:
@@ -191,3 +197,14 @@ class TrainConfig:
     @property
     def needs_reference(self) -> bool:
         return self.loss.kl_coef > 0 or self.loss.regularizer is not None
+
+
+def _chat_template_text(hf_dir: str) -> str:
+    """The chat template(s) a checkpoint ships: tokenizer_config.json's and chat_template.jinja."""
+    d, text = Path(hf_dir), ""
+    if (d / "tokenizer_config.json").is_file():
+        template = json.loads((d / "tokenizer_config.json").read_text()).get("chat_template") or ""
+        text += template if isinstance(template, str) else json.dumps(template)
+    if (d / "chat_template.jinja").is_file():
+        text += (d / "chat_template.jinja").read_text()
+    return text
