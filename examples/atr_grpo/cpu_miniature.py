@@ -60,14 +60,17 @@ def run_one(out: Path, algo: str, seed: int, steps: int, delta: float, timeout_s
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
         print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {time.time() - t0:.0f} s", flush=True)
     s = json.loads(summary.read_text())
-    return {"algorithm": algo, "seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"]}
+    steps = [r for r in map(json.loads, (out / name / "metrics.jsonl").read_text().splitlines()) if "clip/frac_low" in r]
+    clipped = statistics.mean(r["clip/frac_low"] + r["clip/frac_high"] for r in steps)  # how often the rule binds
+    return {"algorithm": algo, "seed": seed, "before": s["accuracy_before"], "after": s["accuracy_after"],
+            "clipped_frac": clipped}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| algorithm | seed | before | after | gain |", "|---|---|---|---|---|"]
+    lines = ["| algorithm | seed | before | after | gain | tokens clipped (mean over steps) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['algorithm']} | {r['seed']} | {r['before']:.3f} | {r['after']:.3f} | "
-                     f"{r['after'] - r['before']:+.3f} |")
+                     f"{r['after'] - r['before']:+.3f} | {r['clipped_frac']:.4f} |")
     lines += ["", "| algorithm | after (mean +- sd over seeds) | gain (mean +- sd) |", "|---|---|---|"]
     for algo in ALGORITHMS:
         after = [r["after"] for r in rows if r["algorithm"] == algo]
