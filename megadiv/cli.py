@@ -12,6 +12,7 @@ import sys
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megadiv.trainer.cli", "run GRPO training from a YAML config (torchrun for several ranks)"),
+    "eval": ("megadiv.evaluation_cli", "evaluate a checkpoint on benchmark splits: pass@1, avg@k, pass@k"),
     "check-config": ("megadiv.trainer.cli_check", "validate a config with overrides and print it resolved"),
     "plan": ("megadiv.trainer.cli_plan", "per-GPU memory of a config at its layout, and the smallest TP x PP that fits"),
     "bounds": ("megadiv.divergence.cli", "ratio interval equivalent to a divergence bound delta"),

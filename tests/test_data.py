@@ -170,3 +170,16 @@ def test_unshuffled_sampler_and_eval_shard():
     assert sorted(sum(shares, [])) == items and max(map(len, shares)) - min(map(len, shares)) <= 1
     with pytest.raises(ValueError, match="divisible"):
         PromptSampler(5, 3, 0, 2)
+
+
+def test_gbmpo_mbpp_split_is_the_authors_299_75_of_train():
+    from megadiv.data.datasets import gbmpo_mbpp_task_ids
+
+    train, val = gbmpo_mbpp_task_ids("gbmpo_train"), gbmpo_mbpp_task_ids("gbmpo_validation")
+    assert len(train) == 299 and len(val) == 75 and not set(train) & set(val)
+    assert sorted(train + val) == list(range(601, 975))  # MBPP's train split, task ids 601-974
+    # numpy RandomState(42).permutation(374) starts 329, 33, 15, 325, 57 (= sklearn's
+    # train_test_split(test_size=0.2, random_state=42) test side): tasks 601 + i
+    assert val[:5] == [930, 634, 616, 926, 658]
+    records = load_dataset(DataConfig(name="mbpp", split="gbmpo_validation"))
+    assert [r.id for r in records][:2] == ["mbpp/930", "mbpp/634"] and all(r.tests for r in records)

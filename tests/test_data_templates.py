@@ -66,3 +66,58 @@ def test_raw_template_for_the_arithmetic_task():
     tpl = PromptTemplate.resolve(DataConfig(name="arithmetic", template="raw"), ds, tok)
     assert tpl.text(ds[0]) == ds[0].prompt and ds[0].prompt.endswith("=")
     assert tok.decode(tpl.token_ids(ds[0], tok)) == ds[0].prompt
+
+
+# A Qwen3-like template: a thinking switch read from enable_thinking (default on).
+THINKING = CHATML.replace("<|im_start|>assistant\n{% endif %}",
+                          "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+                          "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_enable_thinking_reaches_templates_that_take_it(gsm8k):
+    tok = byte_level_bpe(THINKING)
+    default = PromptTemplate.resolve(DataConfig(name="gsm8k"), gsm8k, tok).text(gsm8k[0], tok)
+    off = PromptTemplate.resolve(DataConfig(name="gsm8k", enable_thinking=False), gsm8k, tok).text(gsm8k[0], tok)
+    on = PromptTemplate.resolve(DataConfig(name="gsm8k", enable_thinking=True), gsm8k, tok).text(gsm8k[0], tok)
+    assert off == default + "<think>\n\n</think>\n\n" and on == default
+    # a template without a thinking mode: false is accepted (nothing to turn off), true is refused
+    plain_chat = byte_level_bpe(CHATML)
+    assert (PromptTemplate.resolve(DataConfig(name="gsm8k", enable_thinking=False), gsm8k, plain_chat)
+            .text(gsm8k[0], plain_chat) == PromptTemplate.resolve(DataConfig(name="gsm8k"), gsm8k, plain_chat)
+            .text(gsm8k[0], plain_chat))
+    with pytest.raises(ValueError, match="no thinking mode"):
+        PromptTemplate.resolve(DataConfig(name="gsm8k", enable_thinking=True), gsm8k, plain_chat)
+
+
+def test_gbmpo_prompts_are_the_authors(gsm8k):
+    tok = byte_level_bpe(CHATML)
+    text = PromptTemplate.resolve(DataConfig(name="gsm8k", prompt_style="gbmpo_train"), gsm8k, tok).text(gsm8k[0], tok)
+    assert text == ("<|im_start|>system\nYou are a careful math tutor. Solve step by step and provide the final "
+                    f"numeric answer.<|im_end|>\n<|im_start|>user\nProblem:\n{gsm8k[0].prompt}<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    plain = PromptTemplate.resolve(DataConfig(name="gsm8k", template="plain", prompt_style="gbmpo_eval"), gsm8k)
+    assert plain.text(gsm8k[0]) == ("You are a careful math tutor. Solve step by step and provide the final numeric "
+                                    f"answer.\n\nProblem:\n{gsm8k[0].prompt}\n\nAnswer:")
+    mbpp = load_dataset(DataConfig(name="mbpp", split="test", max_items=2))  # task 11: def remove_Occ(s,ch)
+    train = PromptTemplate.resolve(DataConfig(name="mbpp", prompt_style="gbmpo_train"), mbpp, tok).text(mbpp[0], tok)
+    assert train.startswith(f"<|im_start|>user\n{mbpp[0].prompt}\n\nIMPLEMENT EXACTLY THIS FUNCTION:\n\n"
+                            "def remove_Occ(s, ch):\n    # Your implementation here\n\nREQUIREMENTS:\n"
+                            "- Use ONLY this function name: remove_Occ\n- Accept exactly these parameters: s, ch\n")
+    assert "system" not in train and train.endswith("No markdown, no explanations, no examples<|im_end|>\n"
+                                                    "<|im_start|>assistant\n")
+    evaluation = PromptTemplate.resolve(DataConfig(name="mbpp", prompt_style="gbmpo_eval"), mbpp, tok).text(mbpp[1], tok)
+    assert evaluation.startswith("<|im_start|>system\nYou are a helpful Python coding assistant. Output ONLY the "
+                                 "final code solution.\n")
+    assert (f"<|im_start|>user\n{mbpp[1].prompt}\n\nYour code should pass these tests:\n" + "\n".join(mbpp[1].tests)
+            + "<|im_end|>") in evaluation
+    with pytest.raises(ValueError, match="system_prompt"):
+        DataConfig(name="gsm8k", prompt_style="gbmpo_eval", system_prompt="x")
+
+
+def test_tested_function_reads_name_and_arity_like_the_authors():
+    from megadiv.data.templates import tested_function
+
+    assert tested_function('assert remove_Occ("hello","l") == "heo"') == ("remove_Occ", 2)
+    assert tested_function("assert f([1, 2], (3, 4), 'a') == 1") == ("f", 2)  # up to the first ')'
+    assert tested_function("assert g() == 0") == ("g", 0)
+    assert tested_function("x = 1") == (None, 0)

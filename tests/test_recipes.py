@@ -45,3 +45,64 @@ def test_tiny_demo_configs_validate(tmp_path):
     assert base.loss.measure == "k3" and base.warm_start.make_model == "qwen2"
     sglang = load_config(TrainConfig, [EXAMPLES / "tiny" / "grpo.yaml", EXAMPLES / "tiny" / "sglang.yaml"])
     assert sglang.rollout.engine == "sglang" and sglang.loss == base.loss
+
+
+ATR = EXAMPLES / "atr_grpo"
+QWEN3 = [EXAMPLES / "gsm8k" / "models" / f"{m}.yaml" for m in ("qwen3-1.7b", "qwen3-8b")]
+ATR_ALGORITHMS = {"grpo": EXAMPLES / "gsm8k" / "algorithms" / "grpo.yaml",
+                  "dapo": EXAMPLES / "gsm8k" / "algorithms" / "dapo.yaml", "atr": ATR / "atr_grpo.yaml"}
+
+
+@pytest.mark.parametrize("model", QWEN3, ids=lambda p: p.stem)
+def test_atr_grpo_recipes_validate(model, checkpoint_stub):
+    cfgs = {name: load_config(TrainConfig, [ATR / "task.yaml", model, algo], [f"model.hf_dir={checkpoint_stub}"])
+            for name, algo in ATR_ALGORITHMS.items()}
+    for cfg in cfgs.values():  # evaluated as the paper does, thinking off everywhere (set explicitly)
+        assert (cfg.eval.data.name, [d.name for d in cfg.eval.extra_data]) == ("math500", ["aime24", "aime25"])
+        assert all(d.enable_thinking is False for d in (cfg.data, cfg.eval.data, *cfg.eval.extra_data))
+    atr = cfgs["atr"].loss
+    assert atr.policy_loss == "divergence_clip" and atr.measure == "k3" and atr.delta_high is None  # one delta
+    assert cfgs["dapo"].loss.eps_high == 0.28 and cfgs["grpo"].loss.policy_loss == "clip"
+
+
+def test_kl3_recipe_deltas_are_dapos_interval_exactly():
+    from megadiv.divergence import ratio_bounds
+
+    loss = load_config(TrainConfig, [EXAMPLES / "tiny" / "grpo.yaml", EXAMPLES / "gsm8k" / "algorithms" / "kl3.yaml"]).loss
+    assert ratio_bounds("k3", loss.delta)[0] == pytest.approx(0.8, abs=1e-5)
+    assert ratio_bounds("k3", loss.delta_high)[1] == pytest.approx(1.28, abs=1e-5)
+
+
+GBMPO = EXAMPLES / "gbmpo"
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "mbpp"])
+def test_gbmpo_recipes_validate_with_the_authors_values(task, checkpoint_stub):
+    dr = load_config(TrainConfig, GBMPO / f"{task}.yaml", [f"model.hf_dir={checkpoint_stub}"])
+    l2 = load_config(TrainConfig, [GBMPO / f"{task}.yaml", GBMPO / "prob_l2.yaml"], [f"model.hf_dir={checkpoint_stub}"])
+    assert dr.advantage.estimator == "dr_grpo" and dr.loss.kl_coef == 0 and dr.loss.regularizer is None
+    assert dr.loss.loss_agg == "seq-mean-token-sum-norm" and dr.loss.loss_norm_len == dr.rollout.max_new_tokens == 256
+    assert (l2.loss.regularizer, l2.loss.regularizer_coef) == ("sampled_prob_l2", 1e-4)
+    assert dr.data.prompt_style == "gbmpo_train" and dr.eval.data.prompt_style == "gbmpo_eval"
+    assert dr.data.enable_thinking is False and dr.eval.data.enable_thinking is False
+    if task == "gsm8k":
+        assert dr.reward.name == "last_number" and dr.grpo.mask_truncated and dr.rollout.n_samples == 4
+        assert (dr.optim.lr, dr.rollout.temperature, dr.rollout.top_p) == (3e-5, 0.6, 0.95)
+    else:
+        assert dr.reward.name == "code_shaped" and dr.eval.data.split == "test" and dr.rollout.n_samples == 32
+        assert (dr.optim.lr, dr.rollout.temperature, dr.rollout.top_p) == (1e-5, 0.8, 0.9)
+
+
+def test_enable_thinking_is_checked_against_the_checkpoints_template(checkpoint_stub, tmp_path):
+    from megadiv.config import ConfigError
+
+    args = [f"model.hf_dir={checkpoint_stub}", "data.enable_thinking=true"]
+    with pytest.raises(ConfigError, match="has no thinking mode"):
+        load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]], args)
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text((checkpoint_stub / "config.json").read_text())
+    (qwen3 / "chat_template.jinja").write_text("{% if enable_thinking is defined and not enable_thinking %}{% endif %}")
+    cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]],
+                      [f"model.hf_dir={qwen3}", "data.enable_thinking=true"])
+    assert cfg.data.enable_thinking is True

@@ -161,3 +161,45 @@ def test_pool_that_cannot_start_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setattr("megadiv.rewards.math_reward.WORKER", str(silent))
     with pytest.raises(RuntimeError, match="did not start within 1"):
         MathVerifyPool(workers=1, start_timeout_s=1)
+
+
+def test_last_number_reward_is_the_gbmpo_authors():
+    reward = build_reward(RewardConfig(name="last_number"))
+    gold = [Record(id="g", prompt="", answer="1234")] * 6
+    result = reward(["so 1,234 apples", "1234.0", "1234.1 then 1234", "1234.2", "12 and 1233", "no number"], gold)
+    # last number, commas dropped, |x - 1234| <= 1e-4 * 1234 (0.1234): 1234.1 is wrong only as the last
+    assert result.scores == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert result.reasons == ["correct"] * 3 + ["wrong", "wrong", "unparsable"]
+    assert reward(["-3.5"], [Record(id="f", prompt="", answer="-7/2")]).scores == [1.0]
+    with pytest.raises(ValueError, match="format_weight applies to the math reward"):
+        RewardConfig(name="last_number", format_weight=0.1)
+    with pytest.raises(ValueError, match="partial_credit applies to the code reward"):
+        RewardConfig(name="code_shaped", partial_credit=True)
+
+
+def test_shaped_code_reward_terms_by_hand():
+    """Each term of the GBMPO authors' MBPP reward (megadiv/rewards/gbmpo.py), computed by hand."""
+    task = load_dataset(DataConfig(name="mbpp", split="test", max_items=1))[0]  # remove_Occ, 3 tests
+    right = "def remove_Occ(s,ch):\n    return s.replace(ch, '', 1)[::-1].replace(ch, '', 1)[::-1]"
+    fenced = f"```python\n{right}\n```"                       # all pass, one banned token (```)
+    aliased = "def strip_it(s, ch):\n    return 'heo'"          # aliased to remove_Occ; passes 1 of 3
+    responses = [fenced, fenced, aliased, "def remove_Occ(s, ch):\n    while True: pass",
+                 "def remove_Occ(s, ch) return", "def remove_Occ(s, ch):\n    return s  # \u00e9"]
+    reward = build_reward(RewardConfig(name="code_shaped", workers=2, timeout_s=3))
+    try:
+        result = reward(responses, [task] * 6)
+        wrong = "def remove_Occ(s, ch):\n    return s"
+        tied = reward([wrong + "\n", wrong, wrong + "\n\n"], [task] * 3)  # one group, all -0.10 before group terms
+    finally:
+        reward.close()
+    brief = 0.0 if len(fenced) >= 150 else (0.02 if len(fenced) < 100 else 0.01)
+    expected = [1.0 - 0.02 + brief,            # all tests, ``` penalty, brevity by length
+                1.0 - 0.02 + brief - 0.02,     # the same text again: duplicate
+                1 / 3 + 0.02,                  # one test of three, under 100 characters
+                -0.25,                         # timeout
+                -0.10,                         # syntax error: ran, none passed
+                0.0 - 0.10 - 0.03]             # none passed, non-ASCII
+    assert result.scores == pytest.approx([min(1.0, e) for e in expected], abs=1e-12)
+    assert result.reasons == ["correct", "correct", "wrong", "timeout", "wrong", "wrong"]
+    # tie-break in a uniform group by length rank: shortest +0.015, middle 0, longest -0.015
+    assert tied.scores == pytest.approx([-0.10, -0.10 + 0.015, -0.10 - 0.015], abs=1e-12)

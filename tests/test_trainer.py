@@ -63,7 +63,8 @@ def hf_weights(run_dir: Path) -> dict[str, torch.Tensor]:
                          ids=["tp2", "pp2"])
 def test_two_grpo_steps_end_to_end(tmp_path, layout):
     run_dir = tmp_path / "run"
-    out = megadiv_train(run_dir, "grpo.steps=2", *layout)
+    out = megadiv_train(run_dir, "grpo.steps=2", "grpo.mask_truncated=true",
+                        "eval.extra_data=[{name: arithmetic, split: train, template: raw, max_items: 8}]", *layout)
     steps = step_records(run_dir)
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
@@ -75,10 +76,20 @@ def test_two_grpo_steps_end_to_end(tmp_path, layout):
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     assert {"eval/accuracy", "eval/avg@2", "eval/pass@2"} <= set(summary["eval_after"])
     assert summary["eval_after"]["eval/avg@2"] <= summary["eval_after"]["eval/pass@2"]
+    extra = {k: v for k, v in summary["eval_after"].items() if k.startswith("eval/arithmetic_train/")}
+    assert set(extra) == {"eval/arithmetic_train/pass@1", "eval/arithmetic_train/avg@2", "eval/arithmetic_train/pass@2"}
     assert f"run directory: {run_dir}" in out
     assert (run_dir / "curves.png").stat().st_size > 0 and any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert len(hf_weights(run_dir)) > 0
+    # the exported policy evaluates with the run's prompt template, engine and length
+    evaluated = subprocess.run([sys.executable, "-m", "megadiv.cli", "eval", "--model", str(run_dir / "hf"),
+                                "--data", "arithmetic", "--limit", "10"], cwd=REPO, capture_output=True, text=True,
+                               timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert evaluated.returncode == 0, evaluated.stderr[-4000:]
+    report = json.loads((run_dir / "eval.json").read_text())
+    assert report["max_new_tokens"] == 4 and report["results"]["arithmetic:test"]["n"] == 10
+    assert "arithmetic:test" in evaluated.stdout and "pass@1" in evaluated.stdout
 
 
 @pytest.mark.slow

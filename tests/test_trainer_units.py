@@ -45,6 +45,20 @@ def test_experience_advantages_and_dynamic_sampling():
     assert kept.prompts == [[10], [10]] and kept.rewards.tolist() == [0.0, 1.0]
 
 
+def test_mask_truncated_drops_cut_completions_from_the_loss_only():
+    groups = [[Completion([1, 2], [-0.5] * 2, "length", "v"), Completion([3], [-0.5], "stop", "v")],
+              [Completion([4], [-0.5], "stop", "v"), Completion([5, 6], [-0.5] * 2, "length", "v")]]
+    args = ([[7], [8]], groups, [1.0, 0.0, 1.0, 0.0], ["correct", "wrong", "correct", "wrong"],
+            AdvantageConfig(estimator="dr_grpo", group_size=2), 2)
+    kept, masked = build_experience(*args), build_experience(*args, mask_truncated=True)
+    assert masked.advantages.tolist() == kept.advantages.tolist() == [0.5, -0.5, 0.5, -0.5]  # baseline unchanged
+    assert masked.in_loss.tolist() == [0.0, 1.0, 1.0, 0.0] and kept.in_loss.tolist() == [1.0] * 4
+    assert masked.metrics["response/truncated_frac"] == 0.5
+    full, cut = kept.to_batch(pad_id=0).loss_mask, masked.to_batch(pad_id=0).loss_mask
+    assert full.sum(-1).tolist() == [2, 1, 1, 2] and cut.sum(-1).tolist() == [0, 1, 1, 0]
+    assert take_groups(masked, [1], 2).in_loss.tolist() == [1.0, 0.0]
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from megadiv.models.tiny import make_tiny_model

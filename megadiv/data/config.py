@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 TemplateName = Literal["auto", "chat", "plain", "raw"]
 AnswerFormat = Literal["default", "boxed", "hash", "code", "none"]
+PromptStyle = Literal["default", "gbmpo_eval", "gbmpo_train"]
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,8 @@ class DataConfig:
     """Registry name: gsm8k, math500, aime24, aime25, mbpp, mbpp_sanitized, arithmetic, jsonl, or one
     added with ``megadiv.data.register_dataset``."""
     split: str = "train"
-    """Split of that dataset (gsm8k: train/test; mbpp: prompt/test/validation/train/all; ...)."""
+    """Split of that dataset (gsm8k: train/test; mbpp: prompt/test/validation/train/all, and the GBMPO
+    authors' gbmpo_train (299) / gbmpo_validation (75) of train; ...)."""
     seed: int = 1234
     """Seed of the epoch shuffles (``PromptSampler``)."""
     shuffle: bool = True
@@ -29,6 +31,18 @@ class DataConfig:
     block), none; default takes the dataset's own."""
     system_prompt: Optional[str] = None
     """System message for chat templates (None: no system message)."""
+    prompt_style: PromptStyle = "default"
+    """default: the problem, the tests (code) and the answer-format instruction (templates.py);
+    gbmpo_eval / gbmpo_train: the GBMPO authors' prompts (Lexsi-Labs/aligntune, meta_es), which
+    carry their own system message. GSM8K (any non-code format): system 'You are a careful math
+    tutor...', user 'Problem:\\n<question>', both styles. MBPP (answer_format code): gbmpo_eval is
+    their validation/test prompt (a system message asking for one ```python block, then the task and
+    its tests); gbmpo_train their training prompt (the task, the exact signature to implement, and
+    rules; no system message)."""
+    enable_thinking: Optional[bool] = None
+    """Passed to the chat template as ``enable_thinking`` (Qwen3: False turns the <think> block off).
+    None: the template's default. True needs a template that takes it; False on a template without
+    a thinking mode is accepted (there is nothing to turn off)."""
     max_items: Optional[int] = None
     """Keep only the first N records of the split (after loading, before shuffling)."""
 
@@ -67,6 +81,10 @@ class DataConfig:
         _check(self.name != "jsonl" or bool(self.path), "path", "is required when name is 'jsonl'")
         _check(self.name != "jsonl" or self.answer_field is not None or self.tests_field is not None,
                "answer_field", "jsonl needs answer_field or tests_field")
+        _check(self.prompt_style == "default" or self.system_prompt is None, "system_prompt",
+               f"must be unset with prompt_style={self.prompt_style!r} (that prompt has its own system message)")
+        _check(self.prompt_style == "default" or self.template != "raw", "prompt_style",
+               "needs a chat or plain template, not 'raw'")
         _check(1 <= self.arithmetic_digits <= 9, "arithmetic_digits", f"must lie in [1, 9], got {self.arithmetic_digits}")
         _check(2 <= self.arithmetic_operands <= 8, "arithmetic_operands",
                f"must lie in [2, 8], got {self.arithmetic_operands}")

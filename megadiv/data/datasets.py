@@ -12,6 +12,7 @@ or a Python loader added with :func:`register_dataset`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -159,8 +160,29 @@ MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "
                "all": (1, 974)}
 
 
+
+
+def gbmpo_mbpp_task_ids(split: str) -> list[int]:
+    """The GBMPO authors' split of MBPP's 374 training tasks (ids 601-974) for ES meta-learning
+    (Lexsi-Labs/aligntune, meta_es/es_utils.py get_mbpp_splits): scikit-learn's
+    ``train_test_split(range(374), test_size=0.2, random_state=42)``, i.e. the permutation of
+    numpy's ``RandomState(42)``, whose first ceil(0.2 * 374) = 75 entries are the validation rows
+    and the remaining 299 the inner training rows; row i of the train split is task 601 + i.
+    Ids in the authors' order. gbmpo_train: 299 tasks; gbmpo_validation: 75."""
+    import numpy as np
+
+    first, n = MBPP_SPLITS["train"][0], MBPP_SPLITS["train"][1] - MBPP_SPLITS["train"][0] + 1
+    order = np.random.RandomState(42).permutation(n)
+    n_val = math.ceil(0.2 * n)
+    rows = {"gbmpo_validation": order[:n_val], "gbmpo_train": order[n_val:]}[split]
+    return [first + int(i) for i in rows]
+
+
 def _mbpp_split(rows: list[dict], split: str, total: int, what: str) -> list[dict]:
     _check_rows(what, len(rows), total)  # the whole file first: a truncated file must not pass as a split
+    if split.startswith("gbmpo_"):
+        by_id = {r["task_id"]: r for r in rows}
+        return [by_id[i] for i in gbmpo_mbpp_task_ids(split)]
     lo, hi = MBPP_SPLITS[split]
     return [r for r in rows if lo <= r["task_id"] <= hi]
 
@@ -213,8 +235,10 @@ def _register_builtins() -> None:
                                "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)"),
         "aime24": DatasetSpec(_aime("24"), {"test": 30}, "boxed", "math", "AIME 2024 I and II"),
         "aime25": DatasetSpec(_aime("25"), {"test": 30}, "boxed", "math", "AIME 2025 I and II"),
-        "mbpp": DatasetSpec(_mbpp, {"prompt": 10, "test": 500, "validation": 90, "train": 374, "all": 974},
-                            "code", "code", "Mostly Basic Python Problems (Austin et al. 2021)"),
+        "mbpp": DatasetSpec(_mbpp, {"prompt": 10, "test": 500, "validation": 90, "train": 374, "all": 974,
+                                    "gbmpo_train": 299, "gbmpo_validation": 75},
+                            "code", "code", "Mostly Basic Python Problems (Austin et al. 2021); gbmpo_train / "
+                                            "gbmpo_validation: the GBMPO authors' 299 / 75 split of train"),
         "mbpp_sanitized": DatasetSpec(_mbpp_sanitized,
                                       {"prompt": 7, "test": 257, "validation": 43, "train": 120, "all": 427},
                                       "code", "code", "Hand-verified MBPP subset"),

@@ -10,7 +10,8 @@ class RewardConfig:
     """How responses are scored (``megadiv.rewards.build_reward``)."""
 
     name: str = "math"
-    """Registry name: math, code (alias mbpp), exact_match, or one added with register_reward."""
+    """Registry name: math, code (alias mbpp), exact_match, or one added with register_reward; the
+    GBMPO authors' rewards: last_number (GSM8K) and code_shaped (MBPP), megadiv/rewards/gbmpo.py."""
     workers: int = 2
     """math: math-verify worker processes; code: sandboxes running at once."""
     timeout_s: float = 5.0
@@ -22,7 +23,7 @@ class RewardConfig:
     format_weight: float = 0.0
     """math: score = correct + format_weight * (answer given in the required format)."""
     partial_credit: bool = False
-    """code: a failed program earns passed/total instead of 0."""
+    """code: a failed program earns passed/total instead of 0 (code_shaped has its own partial credit)."""
     sandbox_memory_mb: int = 1024
     """code: address-space limit of the program."""
     sandbox_max_processes: int = 1
@@ -49,6 +50,12 @@ class RewardConfig:
             raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
         if self.format_weight < 0:
             raise ValueError(f"reward.format_weight must be >= 0, got {self.format_weight}")
+        if self.partial_credit and self.name not in ("code", "mbpp"):
+            raise ValueError(f"reward.partial_credit applies to the code reward, not {self.name!r}")
+        if self.answer_format != "auto" and self.name != "math":
+            raise ValueError(f"reward.answer_format applies to the math reward, not {self.name!r}")
+        if self.format_weight and self.name != "math":
+            raise ValueError(f"reward.format_weight applies to the math reward, not {self.name!r}")
         if self.sandbox_memory_mb < 64:
             raise ValueError(f"reward.sandbox_memory_mb must be >= 64, got {self.sandbox_memory_mb}")
         if self.sandbox_isolation not in ("auto", "namespaces", "unsafe"):

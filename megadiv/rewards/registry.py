@@ -42,16 +42,32 @@ def _math(cfg) -> Reward:
 
 def _code(cfg) -> Reward:
     from megadiv.rewards.code_reward import CodeReward
+
+    return CodeReward(cfg.workers, cfg.timeout_s, cfg.partial_credit, _sandbox_limits(cfg))
+
+
+def _sandbox_limits(cfg):
     from megadiv.rewards.sandbox import SandboxLimits
 
-    limits = SandboxLimits(memory_mb=cfg.sandbox_memory_mb, max_processes=cfg.sandbox_max_processes,
-                           max_open_files=cfg.sandbox_max_open_files, output_bytes=cfg.sandbox_output_kb * 1024,
-                           isolation=cfg.sandbox_isolation)
-    return CodeReward(cfg.workers, cfg.timeout_s, cfg.partial_credit, limits)
+    return SandboxLimits(memory_mb=cfg.sandbox_memory_mb, max_processes=cfg.sandbox_max_processes,
+                         max_open_files=cfg.sandbox_max_open_files, output_bytes=cfg.sandbox_output_kb * 1024,
+                         isolation=cfg.sandbox_isolation)
 
 
-REWARDS: dict[str, Callable] = {"math": _math, "code": _code, "mbpp": _code,
-                                "exact_match": lambda cfg: ExactMatchReward()}
+def _code_shaped(cfg) -> Reward:
+    from megadiv.rewards.gbmpo import ShapedCodeReward
+
+    return ShapedCodeReward(cfg.workers, cfg.timeout_s, False, _sandbox_limits(cfg))
+
+
+def _last_number(cfg) -> Reward:
+    from megadiv.rewards.gbmpo import LastNumberReward
+
+    return LastNumberReward()
+
+
+REWARDS: dict[str, Callable] = {"math": _math, "code": _code, "mbpp": _code, "code_shaped": _code_shaped,
+                                "last_number": _last_number, "exact_match": lambda cfg: ExactMatchReward()}
 
 
 def register_reward(name: str, factory: Callable, *, overwrite: bool = False) -> None:

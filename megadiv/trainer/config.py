@@ -18,7 +18,9 @@ Every key is documented in docs/training.md.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, check_model_parallel
@@ -50,6 +52,10 @@ class GRPOConfig:
     reaching -overlong_penalty at max_new_tokens; 0 disables."""
     overlong_penalty: float = 1.0
     """Reward lost by a response of max_new_tokens under overlong shaping."""
+    mask_truncated: bool = False
+    """Drop completions that hit rollout.max_new_tokens from the loss (their loss mask is zeroed;
+    they still count in their group's advantage baseline), as TRL's mask_truncated_completions,
+    which the GBMPO authors train with."""
     log_probs_chunk: int | None = None
     """Token rows per chunk of the vocab-parallel log-prob/entropy (None: sized to ~2 MiB)."""
     max_nonfinite_steps: int = 3
@@ -77,7 +83,11 @@ class GRPOConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     data: DataConfig | None = None
-    """Held-out split; None: no evaluation."""
+    """Held-out split, graded with the training reward (eval/accuracy, summary.json); None: none."""
+    extra_data: tuple[DataConfig, ...] = ()
+    """Further held-out splits (e.g. MATH-500, AIME24, AIME25), each graded with its dataset's own
+    reward (math-verify, the code sandbox, exact match) and logged as eval/<name>_<split>/pass@1
+    (and avg@k, pass@k)."""
     every: int = 0
     """Evaluate every N steps (0: only before and after training)."""
     max_new_tokens: int | None = None
@@ -166,6 +176,10 @@ class TrainConfig:
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
+        thinking = [d for d in (self.data, self.eval.data, *self.eval.extra_data) if d and d.enable_thinking]
+        if thinking and self.model.has_checkpoint() and "enable_thinking" not in _chat_template_text(self.model.hf_dir):
+            raise ConfigError(f"data.enable_thinking=true ({thinking[0].name}:{thinking[0].split}) but the chat template "
+                              f"of {self.model.hf_dir} has no thinking mode (it never reads enable_thinking)")
 
     def check_world_size(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks; raises ConfigError unless the world
@@ -206,3 +220,14 @@ class TrainConfig:
     @property
     def needs_reference(self) -> bool:
         return self.loss.kl_coef > 0 or self.loss.regularizer is not None
+
+
+def _chat_template_text(hf_dir: str) -> str:
+    """The chat template(s) a checkpoint ships: tokenizer_config.json's and chat_template.jinja."""
+    d, text = Path(hf_dir), ""
+    if (d / "tokenizer_config.json").is_file():
+        template = json.loads((d / "tokenizer_config.json").read_text()).get("chat_template") or ""
+        text += template if isinstance(template, str) else json.dumps(template)
+    if (d / "chat_template.jinja").is_file():
+        text += (d / "chat_template.jinja").read_text()
+    return text

@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
+from megadiv.evaluation import EvalSampling, EvalSuite, default_reward
 from megadiv.rewards import build_reward
 from megadiv.rollout import Bucket, SamplingParams, make_engine
 from megadiv.trainer.config import TrainConfig
@@ -30,8 +31,13 @@ class RolloutDriver:
         self.template = PromptTemplate.resolve(cfg.data, self.dataset, tokenizer)
         self.sampler = PromptSampler(len(self.dataset), cfg.grpo.prompts_per_step, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle)
-        self.eval_set = load_dataset(cfg.eval.data) if cfg.eval.data is not None else None
         self.reward = build_reward(cfg.reward)
+        # eval.data is graded with the training reward, eval.extra_data with their datasets' own
+        eval_data = ([cfg.eval.data] if cfg.eval.data is not None else []) + list(cfg.eval.extra_data)
+        self.eval_suite = EvalSuite.build(
+            eval_data, [cfg.reward] * (cfg.eval.data is not None) + [default_reward(d.name, cfg.reward)
+                                                                     for d in cfg.eval.extra_data],
+            tokenizer, shared={cfg.reward: self.reward})
         self.engine = make_engine(cfg.rollout, hf_dir)
         self.sampling = SamplingParams.from_config(cfg.rollout)
 
@@ -68,31 +74,20 @@ class RolloutDriver:
             result = self.reward(texts, [r for r in records for _ in range(self.sampling.n)])
         return build_experience(prompts, groups, result.scores, result.reasons, self.cfg.advantage,
                                 self.sampling.max_new_tokens, self.cfg.grpo.overlong_buffer,
-                                self.cfg.grpo.overlong_penalty)
+                                self.cfg.grpo.overlong_penalty, self.cfg.grpo.mask_truncated)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 on the held-out split; with eval.samples = k > 0 also avg@k and pass@k at
-        eval.temperature."""
-        if self.eval_set is None:
-            return {}
-        records = list(self.eval_set)
-        prompts = [self.template.token_ids(r, self.tokenizer) for r in records]
-        max_new = self.cfg.eval.max_new_tokens or self.sampling.max_new_tokens
-        greedy = self._scores(prompts, records, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new))
-        metrics = {"eval/accuracy": float(greedy.mean())}
-        k = self.cfg.eval.samples
-        if k:
-            sampled = self._scores(prompts, records, SamplingParams(
-                n=k, temperature=self.cfg.eval.temperature, max_new_tokens=max_new)).view(-1, k)
-            metrics[f"eval/avg@{k}"] = float(sampled.mean())
-            metrics[f"eval/pass@{k}"] = float((sampled > 0.5).any(-1).float().mean())
+        """Greedy pass@1 (eval/accuracy) on eval.data, with eval.samples = k > 0 also avg@k and pass@k
+        at eval.temperature; the same for each of eval.extra_data as eval/<name>_<split>/<metric>."""
+        cfg = self.cfg.eval
+        sampling = EvalSampling(cfg.max_new_tokens or self.sampling.max_new_tokens, cfg.samples, cfg.temperature)
+        metrics = {}
+        for i, (name, result) in enumerate(self.eval_suite.run(self.engine, sampling).items()):
+            primary = i == 0 and cfg.data is not None
+            prefix = "eval/" if primary else f"eval/{name.replace(':', '_')}/"
+            metrics |= {prefix + ("accuracy" if key == "pass@1" and primary else key): value
+                        for key, value in result.items() if key != "n"}
         return metrics
-
-    def _scores(self, prompts, records, params: SamplingParams) -> torch.Tensor:
-        groups = self.engine.generate(prompts, params)
-        texts = [self._decode(c.token_ids) for group in groups for c in group]
-        result = self.reward(texts, [r for r in records for _ in range(params.n)])
-        return (torch.tensor(result.scores) > 0.5).float()
 
     def push_weights(self, buckets, version: str) -> dict[str, float]:
         report = self.engine.update_weights(buckets, version)
@@ -102,7 +97,7 @@ class RolloutDriver:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def close(self) -> None:
-        for close in (self.engine.shutdown, self.reward.close):
+        for close in (self.engine.shutdown, self.eval_suite.close, self.reward.close):
             try:
                 close()
             except Exception:  # closing must not mask the error that brought us here

@@ -25,6 +25,7 @@ class Experience:
     rollout_logprobs: list[list[float]]
     rewards: torch.Tensor         # [rows] after shaping
     advantages: torch.Tensor      # [rows]
+    in_loss: torch.Tensor         # [rows] 1.0, or 0.0 for a row dropped from the loss (grpo.mask_truncated)
     metrics: dict[str, float]
 
     def __len__(self) -> int:
@@ -32,12 +33,16 @@ class Experience:
 
     def select(self, index: slice) -> "Experience":
         return Experience(self.prompts[index], self.responses[index], self.rollout_logprobs[index],
-                          self.rewards[index], self.advantages[index], self.metrics)
+                          self.rewards[index], self.advantages[index], self.in_loss[index], self.metrics)
 
     def to_batch(self, pad_id: int) -> SequenceBatch:
-        """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see policy.py)."""
-        return SequenceBatch.pack(self.prompts, self.responses, pad_id, response_values=self.rollout_logprobs,
-                                  advantages=self.advantages.float())
+        """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see policy.py).
+        Rows out of the loss keep their place (and count in B for seq-mean-token-sum-norm) with an
+        all-zero loss mask."""
+        batch = SequenceBatch.pack(self.prompts, self.responses, pad_id, response_values=self.rollout_logprobs,
+                                   advantages=self.advantages.float())
+        batch.loss_mask *= self.in_loss[:, None]
+        return batch
 
 
 def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -51,30 +56,35 @@ def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 def build_experience(prompts: list[list[int]], groups: list[list[Completion]], scores: list[float],
                      reasons: list[str], adv_cfg: AdvantageConfig, max_new_tokens: int,
-                     overlong_buffer: int = 0, overlong_penalty: float = 1.0) -> Experience:
+                     overlong_buffer: int = 0, overlong_penalty: float = 1.0,
+                     mask_truncated: bool = False) -> Experience:
     """Rows for ``prompts`` and their completion ``groups`` (one list of G per prompt), with the
-    reward of each completion in ``scores`` / ``reasons`` (prompt-major order)."""
+    reward of each completion in ``scores`` / ``reasons`` (prompt-major order). With
+    ``mask_truncated``, completions cut at max_new_tokens stay in their group's advantage
+    baseline but are dropped from the loss (TRL's mask_truncated_completions, which GBMPO uses)."""
     completions = [c for group in groups for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in completions])
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
     raw = torch.tensor(scores, dtype=torch.float32)
     rewards = raw + overlong_shaping(lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     advantages = compute_advantages(adv_cfg, rewards)
-    grouped = raw.view(-1, adv_cfg.group_size)
+    correct = torch.tensor([r == "correct" for r in reasons]).view(-1, adv_cfg.group_size)
     metrics = {
         "reward/mean": float(rewards.mean()),
-        "reward/accuracy": float((raw > 0.5).float().mean()),
-        "reward/solved_groups": float((grouped > 0.5).any(-1).float().mean()),
-        "reward/uniform_groups": float((grouped.std(-1) == 0).float().mean()),
+        "reward/accuracy": float(correct.float().mean()),
+        "reward/solved_groups": float(correct.any(-1).float().mean()),
+        "reward/uniform_groups": float((raw.view(-1, adv_cfg.group_size).std(-1) == 0).float().mean()),
         "response/length_mean": float(lengths.float().mean()),
         "response/length_max": float(lengths.max()),
-        "response/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "response/truncated_frac": float(truncated.float().mean()),
     }
     metrics |= {f"reward/reason_{r}": reasons.count(r) / len(reasons) for r in REASONS}
     return Experience(
         prompts=[p for p, group in zip(prompts, groups) for _ in group],
         responses=[c.token_ids for c in completions],
         rollout_logprobs=[c.logprobs for c in completions],
-        rewards=rewards, advantages=advantages, metrics=metrics)
+        rewards=rewards, advantages=advantages,
+        in_loss=(~truncated).float() if mask_truncated else torch.ones(len(completions)), metrics=metrics)
 
 
 def informative_groups(exp: Experience, group_size: int) -> list[int]:
@@ -86,11 +96,12 @@ def informative_groups(exp: Experience, group_size: int) -> list[int]:
 def take_groups(exp: Experience, groups: list[int], group_size: int) -> Experience:
     rows = [g * group_size + j for g in groups for j in range(group_size)]
     return Experience([exp.prompts[i] for i in rows], [exp.responses[i] for i in rows],
-                      [exp.rollout_logprobs[i] for i in rows], exp.rewards[rows], exp.advantages[rows], exp.metrics)
+                      [exp.rollout_logprobs[i] for i in rows], exp.rewards[rows], exp.advantages[rows],
+                      exp.in_loss[rows], exp.metrics)
 
 
 def concat(parts: list[Experience]) -> Experience:
     first = parts[0]
     return Experience(sum((p.prompts for p in parts), []), sum((p.responses for p in parts), []),
                       sum((p.rollout_logprobs for p in parts), []), torch.cat([p.rewards for p in parts]),
-                      torch.cat([p.advantages for p in parts]), first.metrics)
+                      torch.cat([p.advantages for p in parts]), torch.cat([p.in_loss for p in parts]), first.metrics)
