@@ -1,0 +1,76 @@
+"""Rank bodies for tests/test_device_placement.py: the policy step under the device guard, and
+the sequence padding that FP8 / sequence parallelism need."""
+from __future__ import annotations
+
+import torch
+
+from megadiv.config import ModelConfig, OptimConfig, ParallelConfig, load_config
+from megadiv.parallel import initialize
+from megadiv.rollout import ProbeBatch
+from megadiv.trainer import grpo
+from megadiv.trainer.config import TrainConfig
+from megadiv.trainer.experience import Experience
+from megadiv.trainer.objectives import grpo_objective
+from megadiv.trainer.policy import Policy, SequenceBatch
+from tests.device_guard import DeviceGuard
+
+
+def _experience(rows: int, vocab: int) -> Experience:
+    g = torch.Generator().manual_seed(0)
+    draw = lambda lo, hi: torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),),  # noqa: E731
+                                        generator=g).tolist()
+    prompts = [draw(2, 6) for _ in range(rows // 4) for _ in range(4)]
+    responses = [draw(1, 8) for _ in range(rows)]
+    rewards = torch.randint(0, 2, (rows,), generator=g).float()
+    return Experience(prompts, responses, [[-1.0] * len(r) for r in responses], rewards,
+                      rewards - rewards.mean(), {})
+
+
+def placement_checks(ctx):
+    """Both bodies below in one launch (a launch costs seconds of imports)."""
+    return {"guard": guarded_policy_step(ctx), "padding": padding_invariance(ctx)}
+
+
+def guarded_policy_step(ctx):
+    """Everything a GRPO step does on a rank, under DeviceGuard: reference and old log-probs, KL in
+    the reward (an all-reduce), two optimizer steps with a full-vocabulary regulariser (vocab-
+    parallel log-probs, entropy, divergence, their backward), metric reduction, and the post-sync
+    probe (an object broadcast). Returns the guard's violations and a few figures."""
+    hf_dir = ctx.args["hf_dir"]
+    info = initialize(ParallelConfig(), seed=1)
+    cfg = load_config(TrainConfig, None, [
+        f"model.hf_dir={hf_dir}", "loss.kl_coef=0.05", "loss.kl_placement=reward",
+        "loss.regularizer=full_kl", "loss.regularizer_coef=0.1", "grpo.micro_batch_size=2",
+        "grpo.mini_batches=2", "rollout.n_samples=4", "advantage.group_size=4", "grpo.prompts_per_step=2"])
+    actor = Policy(cfg.model, cfg.parallel, "actor", OptimConfig(optimizer="sgd", lr=0.1), 4)
+    reference = Policy(cfg.model, cfg.parallel, "reference")
+    exp = _experience(8, actor.model.vocab_size)
+    probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=1)
+    params = [p for policy in (actor, reference) for c in policy.chunks for p in c.parameters()]
+    with DeviceGuard(params) as guard:
+        metrics = grpo._optimize(cfg, actor, reference, exp, info, pad_id=0)
+        probe_lp = grpo._probe_logprobs(actor, probe)
+    return {"violations": guard.violations, "loss": metrics["loss/total"],
+            "probe_tokens": sum(len(x) for x in probe_lp)}
+
+
+def padding_invariance(ctx):
+    """One SGD step of the same batch with the model's sequence length left as is and padded to a
+    multiple of 16 (FP8's rule): log-probs, loss metrics and every gradient must agree."""
+    initialize(ParallelConfig(), seed=1)
+    model = ModelConfig(hf_dir=ctx.args["hf_dir"])
+    loss = load_config(TrainConfig, None, [f"model.hf_dir={ctx.args['hf_dir']}", "loss.kl_coef=0.1",
+                                           "loss.loss_agg=seq-mean-token-sum-norm"]).loss
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    responses = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
+    out = {}
+    for multiple in (1, 16):
+        actor = Policy(model, ParallelConfig(), "actor", OptimConfig(optimizer="sgd", lr=0.1, clip_grad=0.0), 1)
+        actor.seq_multiple = multiple
+        batch = SequenceBatch.pack(prompts, responses, pad_id=0, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        batch.logp_ref = batch.logp_old = actor.log_probs(batch, micro_batch_size=2) - 0.01
+        metrics = actor.train_step(batch, grpo_objective(loss), micro_batch_size=2)
+        grads = [p.main_grad.clone() for c in actor.chunks for p in c.parameters()]
+        out[multiple] = {"seq_len": batch.tokens.shape[1], "logp": batch.logp_old, "metrics": metrics, "grads": grads}
+    return out
