@@ -38,7 +38,9 @@ class RolloutConfig:
     server_tp: int = 1
     """Tensor-parallel size of a launched server (GPU only; CPU servers run TP=1)."""
     mem_fraction_static: float = 0.8
-    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only)."""
+    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only). A server
+    colocated with the trainer gets this minus the trainer's optimizer state; (1 - this) of the
+    GPU stays free for the trainer's activations (docs/rollout.md)."""
     server_args: tuple[str, ...] = ()
     """Extra ``sglang.launch_server`` flags for a launched server, e.g. ("--max-running-requests", "64")."""
     log_dir: str | None = None
@@ -51,10 +53,11 @@ class RolloutConfig:
     """SIGTERM -> SIGKILL grace period when stopping a launched server."""
 
     # -- weight sync --
-    sync_method: Literal["distributed", "tensor", "disk"] = "distributed"
-    """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU);
-    tensor: shared-memory / CUDA-IPC handles (servers on the trainer's machine only);
-    disk: safetensors in ``sync_dir`` (servers must see that directory)."""
+    sync_method: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU;
+    servers on GPUs of their own); tensor: CUDA-IPC handles (servers on the trainer's machine);
+    disk: safetensors in ``sync_dir`` (servers must see that directory); auto: tensor for a
+    server launched on the trainer's GPUs (colocated), distributed otherwise."""
     bucket_bytes: int = 512 << 20
     """Bytes per weight bucket (one broadcast / one request); bigger is faster, smaller uses less memory."""
     sync_timeout_s: float = 600.0

@@ -50,7 +50,8 @@ def train(cfg: TrainConfig) -> Path:
 
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        driver = RolloutDriver(cfg, start_dir, tokenizer) if info.rank == 0 else None
+        driver = (RolloutDriver(cfg, start_dir, tokenizer, reserved_bytes=actor.optimizer_state_bytes())
+                  if info.rank == 0 else None)
         logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps)
         probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=cfg.run.seed)
 

@@ -116,6 +116,7 @@ class Policy:
         config = self.model.config
         # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam only)
         use_distributed_optimizer = parallel_state.get_data_parallel_world_size() > 1 and optim.optimizer == "adam"
+        self.optim_name, self.use_distributed_optimizer = optim.optimizer, use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
             average_in_collective=False)  # per-token loss: megatron divides by the global denominator
@@ -282,6 +283,18 @@ class Policy:
         means = sums[0] / sums[1].clamp(min=1e-30)
         reduced = torch.where(sign != 0, extreme * sign, means)
         return {k: float(v) for k, v in zip(keys, reduced.tolist())}
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank allocates at its first step (Adam's two float32
+        moments per parameter it updates, sharded over DP by the distributed optimizer); what
+        a rollout server started beside it must leave free."""
+        from megatron.core import parallel_state
+
+        if self.optimizer is None or self.optim_name != "adam":
+            return 0
+        params = sum(p.numel() for c in self.chunks for p in c.parameters() if p.requires_grad)
+        shards = parallel_state.get_data_parallel_world_size() if self.use_distributed_optimizer else 1
+        return 8 * params // shards
 
     def export_buckets(self, bucket_bytes: int):
         from megadiv.models.export import iter_hf_weight_buckets
