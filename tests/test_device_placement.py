@@ -24,14 +24,18 @@ FACTORY_NAMES = {f.__name__ for f in __import__("tests.device_guard", fromlist=[
 
 
 @pytest.fixture(scope="module")
-def placement(tmp_path_factory):
-    """One single-rank launch (gloo) running both bodies of tests/dist/device_placement.py."""
+def tiny_model(tmp_path_factory):
     from megadiv.models.tiny import make_tiny_model
 
-    hf_dir = make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", tokenizer="bpe", vocab=301,
-                             hidden=64, heads=4, kv_heads=2, ffn=128, layers=2)
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", "qwen2", tokenizer="bpe", vocab=301,
+                               hidden=64, heads=4, kv_heads=2, ffn=128, layers=2))
+
+
+@pytest.fixture(scope="module")
+def placement(tiny_model):
+    """One single-rank launch (gloo) running the guard and padding bodies."""
     (res,) = run_torchrun("tests.dist.device_placement:placement_checks", 1, timeout_s=400,
-                          args={"hf_dir": str(hf_dir)})
+                          args={"hf_dir": tiny_model})
     return res
 
 
@@ -95,3 +99,17 @@ def test_padding_to_a_multiple_of_16_changes_no_loss_or_gradient(placement):
         assert padded["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-6, abs=1e-7), key
     for g_pad, g in zip(padded["grads"], plain["grads"]):
         torch.testing.assert_close(g_pad, g, rtol=1e-5, atol=1e-7)
+
+
+def test_tp_markers_on_every_parameter_of_a_loaded_model(tiny_model):
+    """Weights loaded, init skipped: every TP-split weight is marked with its split dimension
+    (megatron < 0.19 marks them only in its init), every other parameter as replicated. That
+    the grad norm then counts every shard is test_trainer_units' TP=2 == TP=1 grad-norm parity."""
+    markers = run_torchrun("tests.dist.device_placement:tp_markers", 2, timeout_s=300, args={"hf_dir": tiny_model})
+    assert markers[0] == markers[1]
+    split = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0, "linear_qkv.weight": 0,
+             "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}
+    assert len(markers[0]) > 10
+    for name, (parallel, dim, stride) in markers[0].items():
+        expected = next((d for suffix, d in split.items() if name.endswith(suffix)), None)
+        assert (parallel, dim, stride) == ((True, expected, 1) if expected is not None else (False, -1, 1)), name

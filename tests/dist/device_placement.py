@@ -74,3 +74,15 @@ def padding_invariance(ctx):
         grads = [p.main_grad.clone() for c in actor.chunks for p in c.parameters()]
         out[multiple] = {"seq_len": batch.tokens.shape[1], "logp": batch.logp_old, "metrics": metrics, "grads": grads}
     return out
+
+
+def tp_markers(ctx):
+    """Build the loaded model at TP=2 (no weight init) and report every parameter's TP markers."""
+    from megadiv.models.builder import build_model
+
+    initialize(ParallelConfig(tensor_parallel=2), seed=1)
+    model = build_model(ModelConfig(hf_dir=ctx.args["hf_dir"]), parallel=ParallelConfig(tensor_parallel=2))
+    assert not model.config.perform_initialization  # the weights were loaded, not initialised
+    return {name: (getattr(p, "tensor_model_parallel", None), getattr(p, "partition_dim", None),
+                   getattr(p, "partition_stride", None))
+            for name, p in model.gpt_models[0].named_parameters()}
