@@ -103,7 +103,9 @@ class ModelConfig:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer implementation: megatron's local spec (CPU), Transformer Engine (GPU); auto picks."""
     fp8: Literal["none", "delayed", "tensorwise", "mxfp8", "blockwise"] = "none"
-    """FP8 recipe (Transformer Engine only)."""
+    """FP8 recipe (Transformer Engine only): tensorwise and delayed need compute capability 8.9+,
+    blockwise Hopper, mxfp8 Blackwell (megadiv/models/fp8.py). Sequences are padded to a multiple
+    of 16 x TP for it."""
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",

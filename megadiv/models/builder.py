@@ -167,6 +167,9 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         batch_p2p_sync=cuda,  # True calls torch.cuda.synchronize() around p2p
     )
     if cfg.fp8 != "none":
+        from megadiv.models.fp8 import check_fp8_here
+
+        check_fp8_here(cfg.fp8)  # TE version and GPU generation (models/fp8.py)
         # 'hybrid': E4M3 forward, E5M2 gradients; the recipe picks the scaling (delayed/tensorwise/...)
         fields.update(fp8="hybrid", fp8_recipe=cfg.fp8)
     fields.update(overrides)

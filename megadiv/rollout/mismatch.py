@@ -68,6 +68,7 @@ def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLog
     if not report.mean_abs <= threshold:  # NaN fails too
         raise WeightSyncError(f"after weight sync {version!r}: the engine's log-probs differ from the trainer's by "
                               f"mean {report.mean_abs:.3g} (max {report.max_abs:.3g}) over {report.tokens} probe "
-                              f"tokens, above rollout.mismatch_threshold={threshold}: the engine is not serving "
-                              f"the trainer's weights (stale, missing or misnamed tensors?)")
+                              f"tokens, above the limit {threshold} (rollout.mismatch_threshold, or _fp8 for an FP8 "
+                              f"trainer): the engine is not serving the trainer's weights (stale, missing or "
+                              f"misnamed tensors?)")
     return report

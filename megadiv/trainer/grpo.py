@@ -173,7 +173,8 @@ def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None,
     if every and step % every == 0:
         trainer_lp = _probe_logprobs(actor, probe)
         if driver:
-            report = check_mismatch(driver.engine, probe, trainer_lp, cfg.rollout.mismatch_threshold, f"step-{step}")
+            report = check_mismatch(driver.engine, probe, trainer_lp,
+                                    cfg.rollout.probe_threshold(cfg.model.fp8 != "none"), f"step-{step}")
             metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
     return metrics
 
