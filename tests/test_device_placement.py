@@ -85,6 +85,7 @@ def test_policy_step_places_every_tensor_on_the_model_device(placement):
     full-vocabulary regulariser, metrics, the probe broadcast) under the device guard."""
     res = placement["guard"]
     assert res["violations"] == [], "\n".join(res["violations"])
+    assert placement["harness"] == {"cuda_visible": "", "backend": "gloo", "cuda": False}  # CPU tier, any machine
     assert res["probe_tokens"] > 0 and res["loss"] == res["loss"]
 
 

@@ -2,7 +2,11 @@
 the sequence padding that FP8 / sequence parallelism need."""
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
+import torch.distributed as dist
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from megadiv.parallel import initialize
@@ -27,8 +31,12 @@ def _experience(rows: int, vocab: int) -> Experience:
 
 
 def placement_checks(ctx):
-    """Both bodies below in one launch (a launch costs seconds of imports)."""
-    return {"guard": guarded_policy_step(ctx), "padding": padding_invariance(ctx)}
+    """Both bodies below in one launch (a launch costs seconds of imports), and what the harness
+    gave the rank: no GPU, hence gloo, whatever the machine has."""
+    guard = guarded_policy_step(ctx)
+    harness = {"cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "backend": dist.get_backend(),
+               "cuda": torch.cuda.is_available()}
+    return {"guard": guard, "padding": padding_invariance(ctx), "harness": harness}
 
 
 def guarded_policy_step(ctx):
@@ -36,22 +44,38 @@ def guarded_policy_step(ctx):
     the reward (an all-reduce), two optimizer steps with a full-vocabulary regulariser (vocab-
     parallel log-probs, entropy, divergence, their backward), metric reduction, and the post-sync
     probe (an object broadcast). Returns the guard's violations and a few figures."""
-    hf_dir = ctx.args["hf_dir"]
+    step = _grpo_step(ctx.args["hf_dir"], guarded=True)
+    return {"violations": step["violations"], "loss": step["metrics"]["loss/total"],
+            "probe_tokens": sum(len(x) for x in step["probe"])}
+
+
+def policy_step_on_gpu(ctx):
+    """The same step on the GPU (the ``gpu`` tests): the weights' device, finite figures, the probe
+    log-probs back on the host, the sequence multiple the model was fed."""
+    step = _grpo_step(ctx.args["hf_dir"], guarded=False, overrides=ctx.args.get("overrides", []))
+    return {"device": str(step["device"]), "metrics": step["metrics"], "seq_multiple": step["seq_multiple"],
+            "probe_devices": sorted({str(x.device) for x in step["probe"]}),
+            "probe_finite": all(bool(x.isfinite().all()) for x in step["probe"])}
+
+
+def _grpo_step(hf_dir: str, guarded: bool, overrides: list[str] = ()) -> dict:
     info = initialize(ParallelConfig(), seed=1)
     cfg = load_config(TrainConfig, None, [
         f"model.hf_dir={hf_dir}", "loss.kl_coef=0.05", "loss.kl_placement=reward",
         "loss.regularizer=full_kl", "loss.regularizer_coef=0.1", "grpo.micro_batch_size=2",
-        "grpo.mini_batches=2", "rollout.n_samples=4", "advantage.group_size=4", "grpo.prompts_per_step=2"])
+        "grpo.mini_batches=2", "rollout.n_samples=4", "advantage.group_size=4", "grpo.prompts_per_step=2",
+        *overrides])
     actor = Policy(cfg.model, cfg.parallel, "actor", OptimConfig(optimizer="sgd", lr=0.1), 4)
     reference = Policy(cfg.model, cfg.parallel, "reference")
     exp = _experience(8, actor.model.vocab_size)
     probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=1)
     params = [p for policy in (actor, reference) for c in policy.chunks for p in c.parameters()]
-    with DeviceGuard(params) as guard:
+    guard = DeviceGuard(params) if guarded else contextlib.nullcontext()
+    with guard:
         metrics = grpo._optimize(cfg, actor, reference, exp, info, pad_id=0)
         probe_lp = grpo._probe_logprobs(actor, probe)
-    return {"violations": guard.violations, "loss": metrics["loss/total"],
-            "probe_tokens": sum(len(x) for x in probe_lp)}
+    return {"violations": guard.violations if guarded else None, "metrics": metrics, "probe": probe_lp,
+            "device": actor.device, "seq_multiple": actor.seq_multiple}
 
 
 def padding_invariance(ctx):
@@ -77,11 +101,13 @@ def padding_invariance(ctx):
 
 
 def tp_markers(ctx):
-    """Build the loaded model at TP=2 (no weight init) and report every parameter's TP markers."""
+    """Build the loaded model at TP=2 (or ``tp``; no weight init) and report every parameter's TP
+    markers."""
     from megadiv.models.builder import build_model
 
-    initialize(ParallelConfig(tensor_parallel=2), seed=1)
-    model = build_model(ModelConfig(hf_dir=ctx.args["hf_dir"]), parallel=ParallelConfig(tensor_parallel=2))
+    tp = ctx.args.get("tp", 2)
+    initialize(ParallelConfig(tensor_parallel=tp), seed=1)
+    model = build_model(ModelConfig(hf_dir=ctx.args["hf_dir"]), parallel=ParallelConfig(tensor_parallel=tp))
     assert not model.config.perform_initialization  # the weights were loaded, not initialised
     return {name: (getattr(p, "tensor_model_parallel", None), getattr(p, "partition_dim", None),
                    getattr(p, "partition_stride", None))
