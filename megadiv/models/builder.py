@@ -182,7 +182,8 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
 
     megatron-core before 0.19 sets them on the weights of its own TP layers only inside the init
     routines (tensor_parallel/layers.py, _initialize_affine_weight_cpu/_gpu), which
-    ``perform_initialization=False`` skips when the weights are loaded instead. Without them the
+    ``perform_initialization=False`` skips when the weights are loaded instead (fixed upstream by
+    NVIDIA/Megatron-LM#4084, "Set tensor-parallel attributes irrespective of perform_initialization"). Without them the
     gradient-norm and clipping code counts a TP-split weight on TP rank 0 alone, as if it were
     replicated: the norm misses the other shards (on any backend). Transformer Engine's layers
     set their own markers whether or not they initialise. Every other parameter is replicated
