@@ -53,7 +53,8 @@ def policy_step_on_gpu(ctx):
     """The same step on the GPU (the ``gpu`` tests): the weights' device, finite figures, the probe
     log-probs back on the host, the sequence multiple the model was fed."""
     step = _grpo_step(ctx.args["hf_dir"], guarded=False, overrides=ctx.args.get("overrides", []))
-    return {"device": str(step["device"]), "metrics": step["metrics"], "seq_multiple": step["seq_multiple"],
+    actor = step["actor"]
+    return {"device": str(actor.device), "metrics": step["metrics"], "seq_multiple": actor.seq_multiple,
             "probe_devices": sorted({str(x.device) for x in step["probe"]}),
             "probe_finite": all(bool(x.isfinite().all()) for x in step["probe"])}
 
@@ -75,7 +76,7 @@ def _grpo_step(hf_dir: str, guarded: bool, overrides: list[str] = ()) -> dict:
         metrics = grpo._optimize(cfg, actor, reference, exp, info, pad_id=0)
         probe_lp = grpo._probe_logprobs(actor, probe)
     return {"violations": guard.violations if guarded else None, "metrics": metrics, "probe": probe_lp,
-            "device": actor.device, "seq_multiple": actor.seq_multiple}
+            "actor": actor}
 
 
 def padding_invariance(ctx):
