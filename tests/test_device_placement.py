@@ -80,6 +80,7 @@ def test_no_tensor_factory_without_device_in_gpu_reachable_code(path):
     assert not missing, missing
 
 
+@pytest.mark.slow  # the torchrun launch it shares with the next test: about a minute on 2 cores
 def test_policy_step_places_every_tensor_on_the_model_device(placement):
     """A GRPO step's worth of policy work (log-probs, KL in the reward, two updates with a
     full-vocabulary regulariser, metrics, the probe broadcast) under the device guard."""
@@ -89,6 +90,7 @@ def test_policy_step_places_every_tensor_on_the_model_device(placement):
     assert res["probe_tokens"] > 0 and res["loss"] == res["loss"]
 
 
+@pytest.mark.slow
 def test_padding_to_a_multiple_of_16_changes_no_loss_or_gradient(placement):
     """FP8 / sequence-parallel padding: the padded positions are cut before the loss (loss mask 0,
     and the sequence-length-normalised aggregation still sees the true length)."""
@@ -102,6 +104,7 @@ def test_padding_to_a_multiple_of_16_changes_no_loss_or_gradient(placement):
         torch.testing.assert_close(g_pad, g, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # a 2-rank torchrun launch: about a minute on 2 cores
 def test_tp_markers_on_every_parameter_of_a_loaded_model(tiny_model):
     """Weights loaded, init skipped: every TP-split weight is marked with its split dimension
     (megatron < 0.19 marks them only in its init), every other parameter as replicated. That
