@@ -39,32 +39,32 @@ def placement(tiny_model):
     return res
 
 
-def test_guard_flags_a_deviceless_factory_and_a_device_tensor_in_an_object_broadcast():
+def test_guard_flags_a_deviceless_factory_and_a_device_tensor_in_an_object_broadcast(monkeypatch):
     """The guard itself: code compiled as a megadiv file that makes a tensor without device=, and a
     weight-derived tensor headed for broadcast_object_list, are both reported; explicit ones pass."""
+    import torch.distributed as dist
+
+    sent = []  # no process group here: the collective the guard wraps only records its payload
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, *a, **k: sent.append(objects))
     weight = torch.nn.Parameter(torch.ones(3))
     src = ("import torch, torch.distributed as dist\n"
            "def make(w):\n"
            "    a = torch.zeros(3)\n"                              # line 3: flagged
            "    b = torch.zeros(3, device=w.device)\n"
            "    c = torch.as_tensor(w * 2)\n"                      # a tensor keeps its device
-           "    return a, b, [w * 2], [(w * 2).cpu()]\n")
+           "    dist.broadcast_object_list([w * 2], src=0)\n"       # line 6: flagged
+           "    dist.broadcast_object_list([(w * 2).cpu()], src=0)\n"
+           "    return a, b, c\n")
     namespace = {}
     exec(compile(src, str(REPO / "megadiv" / "_guard_probe.py"), "exec"), namespace)
-    sent = []
+    recorder = dist.broadcast_object_list
     with DeviceGuard([weight]) as guard:
-        import torch.distributed as dist
-        real = guard._saved["broadcast_object_list"]
-        guard._saved["broadcast_object_list"] = lambda obj, *a, **k: sent.append(obj)
-        dist.broadcast_object_list = guard._checked_collective("broadcast_object_list", lambda obj, *a, **k: None)
-        a, b, device_list, host_list = namespace["make"](weight)
-        dist.broadcast_object_list(device_list, src=0)
-        dist.broadcast_object_list(host_list, src=0)
-        guard._saved["broadcast_object_list"] = real
-    assert guard.violations[0] == "megadiv/_guard_probe.py:3: torch.zeros without device="
-    assert len(guard.violations) == 2 and "broadcast_object_list" in guard.violations[1], guard.violations
-    import torch.distributed as dist
-    assert dist.broadcast_object_list is real  # restored
+        namespace["make"](weight)
+    assert guard.violations == [
+        "megadiv/_guard_probe.py:3: torch.zeros without device=",
+        "megadiv/_guard_probe.py:6: dist.broadcast_object_list of a tensor on the model's device (pickled with "
+        "its device): move it to the host first"], guard.violations
+    assert len(sent) == 2 and dist.broadcast_object_list is recorder  # both sent; the wrapper is gone
 
 
 @pytest.mark.parametrize("path", GPU_REACHABLE)
