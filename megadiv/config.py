@@ -111,7 +111,9 @@ class ModelConfig:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer implementation: megatron's local spec (CPU), Transformer Engine (GPU); auto picks."""
     fp8: Literal["none", "delayed", "tensorwise", "mxfp8", "blockwise"] = "none"
-    """FP8 recipe (Transformer Engine only)."""
+    """FP8 recipe (Transformer Engine only): tensorwise and delayed need compute capability 8.9+,
+    blockwise Hopper, mxfp8 Blackwell (megadiv/models/fp8.py). Sequences are padded to a multiple
+    of 16 x TP for it."""
     recompute_granularity: Literal["none", "full", "selective"] = "none"
     """Megatron activation recompute (actor only): 'full' recomputes whole transformer layers in the
     backward pass, 'selective' only core attention; 'none' keeps every activation."""

@@ -20,7 +20,7 @@ def test_te_fp8_logits_close_to_local_bf16(tmp_path):
     # FP8 GEMMs need every dimension a multiple of 16: hidden 128, QKV 256, MLP 512, 128 tokens
     hf_dir = make_tiny_model(tmp_path / "fp8", "qwen2", hidden=128, heads=4, kv_heads=2, ffn=512, layers=2)
     (res,) = run_torchrun("tests.dist.models:te_fp8_vs_bf16", 1, timeout_s=600,
-                          args={"models": {"fp8": str(hf_dir)}, "tmp": str(tmp_path)})
+                          args={"models": {"fp8": str(hf_dir)}, "tmp": str(tmp_path)}, cuda=True)
     print(res)
     assert res["rel_l2/te_bf16"] <= 2e-2, res
     assert res["rel_l2/te_fp8"] <= 1e-1, res

@@ -7,9 +7,10 @@ import torch
 from safetensors.torch import save_file
 
 from megadiv.config import ConfigError, from_dict
-from megadiv.rollout import ProbeBatch, RolloutConfig, SamplingParams, WeightSyncError, resolve_engine_name
+from megadiv.rollout import ProbeBatch, RolloutConfig, RolloutError, SamplingParams, WeightSyncError, resolve_engine_name
 from megadiv.rollout.fleet import split_evenly
-from megadiv.rollout.sglang_server import CPU_STANDINS, child_env, launch_command
+from megadiv.rollout.sglang_engine import resolve_sync_method
+from megadiv.rollout.sglang_server import CPU_STANDINS, GpuPlacement, child_env, launch_command, place_server
 from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manifest
 
 
@@ -83,7 +84,7 @@ def test_manifest_and_bucket_check(tmp_path):
 
 def test_cpu_server_command_and_environment():
     cfg = RolloutConfig(engine="sglang", server_args=("--max-running-requests", "8"))
-    cmd = launch_command("/ckpt", 31234, cfg, cuda=False)
+    cmd = launch_command("/ckpt", 31234, cfg, None)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31234" in cmd
     for flag in ("--device", "--attention-backend", "--sampling-backend", "--skip-server-warmup"):
         assert flag in cmd
@@ -92,10 +93,40 @@ def test_cpu_server_command_and_environment():
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
     assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
 
-    gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), cuda=True)
+    gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), GpuPlacement(4, False, 0.7))
     assert gpu[gpu.index("--tp-size") + 1] == "2" and "--device" not in gpu
+    assert gpu[gpu.index("--base-gpu-id") + 1] == "4" and gpu[gpu.index("--mem-fraction-static") + 1] == "0.7"
     with pytest.raises(ValueError, match="server_tp"):
-        launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), cuda=False)
+        launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), None)
+
+
+def test_launched_server_placement_and_sync_method():
+    """GPUs free after the trainer's: the server takes them and a broadcast group works. One GPU
+    (or too few): the server shares GPU 0.. with the trainer, gets its memory share minus the
+    trainer's optimizer state, and 'auto' syncs by CUDA-IPC handles; 'distributed' is refused
+    before anything starts (NCCL refuses two ranks on one GPU)."""
+    cfg = RolloutConfig(engine="sglang", mem_fraction_static=0.8)
+    own = place_server(cfg, trainer_gpus=4, visible_gpus=8)
+    assert own == GpuPlacement(base_gpu_id=4, shares_trainer_gpus=False, mem_fraction_static=0.8)
+    assert resolve_sync_method(cfg, own) == "distributed"
+    gib = 1 << 30
+    shared = place_server(cfg, trainer_gpus=1, visible_gpus=1, reserved_bytes=14 * gib, gpu_bytes=140 * gib)
+    assert shared == GpuPlacement(base_gpu_id=0, shares_trainer_gpus=True, mem_fraction_static=0.7)
+    assert resolve_sync_method(cfg, shared) == "tensor"
+    assert resolve_sync_method(dataclasses.replace(cfg, sync_method="disk"), shared) == "disk"
+    with pytest.raises(ValueError, match="NCCL refuses two ranks of one group on one GPU"):
+        resolve_sync_method(dataclasses.replace(cfg, sync_method="distributed"), shared)
+    assert resolve_sync_method(cfg, None) == "distributed"  # CPU, or attached servers
+    with pytest.raises(RolloutError, match=r"would get 0\.014.*optimizer state \(110\.0 GiB of 140\.0 GiB\)"):
+        place_server(cfg, trainer_gpus=1, visible_gpus=1, reserved_bytes=110 * gib, gpu_bytes=140 * gib)
+    with pytest.raises(RolloutError, match=r"server_tp=2 needs GPUs 0\.\.1; 1 are visible"):
+        place_server(dataclasses.replace(cfg, server_tp=2), trainer_gpus=1, visible_gpus=1)
+    # a fleet: server i takes the i-th group of server_tp free GPUs, or shares the trainer's i-th group
+    tp2 = dataclasses.replace(cfg, server_tp=2)
+    assert [place_server(tp2, trainer_gpus=4, visible_gpus=8, index=i).base_gpu_id for i in (0, 1)] == [4, 6]
+    assert place_server(tp2, trainer_gpus=8, visible_gpus=8, index=1) == GpuPlacement(2, True, 0.8)
+    with pytest.raises(RolloutError, match=r"rollout server 4 .* needs GPUs 8\.\.9; 8 are visible"):
+        place_server(tp2, trainer_gpus=8, visible_gpus=8, index=4)
 
 
 def test_a_server_launched_by_a_trainer_rank_does_not_join_its_rendezvous(monkeypatch):

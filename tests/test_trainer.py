@@ -34,7 +34,8 @@ def megadiv_train(run_dir: Path, *overrides: str, nproc: int = 2, timeout_s: flo
     cmd = [sys.executable, "-m", "megadiv.cli", "train", str(CONFIG), f"run.output_dir={run_dir.parent}",
            f"run.name={run_dir.name}", f"model.hf_dir={run_dir}/init", *TINY, *overrides, "--nproc", str(nproc)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            start_new_session=True,  # CPU tier: gloo even on a GPU machine (tests/torchrun.py)
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

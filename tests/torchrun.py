@@ -1,4 +1,4 @@
-"""Run a test body on N ranks under ``torchrun`` (gloo) and collect per-rank results.
+"""Run a test body on N ranks under ``torchrun`` (gloo, CUDA hidden) and collect per-rank results.
 
 A body is a plain function ``body(ctx) -> value`` in an importable module under ``tests/``.
 Each rank calls it once; what it returns (anything picklable) comes back to the test as
@@ -33,14 +33,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(target: str, nproc: int, timeout_s: float = 300.0, args: dict | None = None) -> list:
-    """Run ``target`` ("tests.dist.module:function") on ``nproc`` ranks; return per-rank results."""
+def run_torchrun(target: str, nproc: int, timeout_s: float = 300.0, args: dict | None = None,
+                 cuda: bool = False) -> list:
+    """Run ``target`` ("tests.dist.module:function") on ``nproc`` ranks; return per-rank results.
+
+    The ranks see no GPU unless ``cuda`` (the ``gpu`` tests): megadiv.parallel picks gloo and the
+    CPU tier's code path, as in CI, even on a GPU machine, where NCCL would otherwise refuse 2-4
+    ranks on its one GPU."""
     with tempfile.TemporaryDirectory(prefix="megadiv-dist-") as tmp:
         tmp = Path(tmp)
         (tmp / "args.pkl").write_bytes(pickle.dumps(args or {}))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
         env.setdefault("OMP_NUM_THREADS", "1")
+        if not cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nproc_per_node={nproc}", "--nnodes=1",

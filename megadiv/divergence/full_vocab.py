@@ -23,8 +23,8 @@ from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, separable_divergen
 class SeparableVocabDivergence(VocabDivergence):
     """Base of the full-vocabulary measures: subclasses implement ``pointwise``.
 
-    ``chunk_size``: token rows per chunk (None: about 2^22 logits per chunk); each chunk costs
-    two collectives and holds 4 x chunk x V/TP floats of buffers. ``consume_base``: write the
+    ``chunk_size``: token rows per chunk (None: the device's byte budget, see vocab_parallel);
+    each chunk costs two collectives and holds 4 x chunk x V/TP floats of buffers. ``consume_base``: write the
     gradient into the base logits' storage, destroying them (see ``separable_divergence``).
     """
 

@@ -17,8 +17,9 @@ every rank even when the normaliser carries the right value. Here the forward do
 reductions and the backward writes the exact gradient of each shard from per-token statistics
 that are already global, e.g. d log p_t / d z_v = [v = t] - p_v on every rank.
 
-Memory: tokens are processed in chunks of ``chunk_size`` rows; extra memory is O(chunk x V/TP)
-plus the gradient. Log-prob/entropy keep no [tokens, V/TP] tensor for the backward, which
+Memory: tokens are processed in chunks of ``chunk_size`` rows (default: a per-device byte budget,
+:func:`default_chunk_rows`); extra memory is O(chunk x V/TP) plus the gradient. Every buffer is
+allocated on the logits' device, and nothing synchronises with the host. Log-prob/entropy keep no [tokens, V/TP] tensor for the backward, which
 recomputes p chunk by chunk (with ``inplace_backward`` the gradient overwrites the logits).
 Divergences compute their gradient in the forward, into the buffer the backward returns (with
 ``consume_base``, the reference logits' storage).
@@ -35,12 +36,25 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-# Log-prob / entropy chunks and divergence tiles: about 2^17 logits (512 KiB in float32), so that
-# a chunk's few temporaries stay in a CPU core's cache between the elementwise ops.
+# Chunk sizes by device, in bytes of one float32 [rows, V/TP] temporary (the rows follow from the
+# shard width, never fewer than the floor). CPU: log-prob/entropy chunks and divergence tiles of
+# 512 KiB keep a chunk's few temporaries in a core's cache between the elementwise ops. GPU: the
+# loop over chunks is a Python loop of kernel launches, so a chunk must cover many rows (128 MiB
+# is ~220 rows at a 150k vocabulary, TP=1) while its temporaries stay small next to the
+# [tokens, V/TP] logits; the floor keeps a launch per few rows from ever happening.
 CHUNK_ELEMENTS = 1 << 17
-# Divergence chunks: about 2^22 logits. Each costs two collectives (latency) and holds p, q and
-# the per-logit derivatives of its rows (4 x 16 MiB in float32 at this size).
-DIVERGENCE_CHUNK_ELEMENTS = 1 << 22
+CHUNK_BYTES = {"cpu": CHUNK_ELEMENTS * 4, "gpu": 128 << 20}
+# Divergence chunks: each costs two collectives (latency) and holds p, q and the per-logit
+# derivatives of its rows (4 buffers of this size): 16 MiB each on CPU, 256 MiB on GPU.
+DIVERGENCE_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20}
+MIN_CHUNK_ROWS = {"cpu": 1, "gpu": 64}
+
+
+def default_chunk_rows(width: int, device: torch.device, budget: dict[str, int] = CHUNK_BYTES) -> int:
+    """Rows per chunk for shards ``width`` columns wide on ``device``: the device's byte budget
+    of float32 temporaries, at least its floor in rows."""
+    kind = "cpu" if torch.device(device).type == "cpu" else "gpu"
+    return max(MIN_CHUNK_ROWS[kind], budget[kind] // (4 * max(width, 1)))
 
 
 @dataclass(frozen=True)
@@ -54,11 +68,11 @@ class VocabShard:
 
     @staticmethod
     def of(logits: torch.Tensor, group=None, vocab_start: int = 0, vocab_size: int | None = None,
-           chunk_size: int | None = None, default_elements: int = CHUNK_ELEMENTS) -> "VocabShard":
+           chunk_size: int | None = None, budget: dict[str, int] = CHUNK_BYTES) -> "VocabShard":
         width = logits.shape[-1]
         valid = width if vocab_size is None else max(0, min(width, vocab_size - vocab_start))
         if chunk_size is None:
-            chunk_size = rows_per(default_elements, valid)
+            chunk_size = default_chunk_rows(valid, logits.device, budget)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if group is not None and dist.get_world_size(group) == 1:
@@ -89,10 +103,10 @@ def _local_exp_sums(z: torch.Tensor, shard: VocabShard, dtype: torch.dtype, with
     """Per token of the local valid columns: m = max z, s = sum e^(z - m), and, with ``with_dot``,
     d = sum e^(z - m) (z - m). z: [N, V/TP] -> three [N] tensors (d None without with_dot).
     A shard with no valid column reports m = the most negative float, s = d = 0."""
-    rows = z.shape[0]
-    m = torch.full((rows,), torch.finfo(dtype).min, dtype=dtype)
-    s = torch.zeros(rows, dtype=dtype)
-    d = torch.zeros(rows, dtype=dtype) if with_dot else None
+    rows, device = z.shape[0], z.device
+    m = torch.full((rows,), torch.finfo(dtype).min, dtype=dtype, device=device)
+    s = torch.zeros(rows, dtype=dtype, device=device)
+    d = torch.zeros(rows, dtype=dtype, device=device) if with_dot else None
     if shard.valid == 0:
         return m, s, d
     for rs in shard.chunks(rows):
@@ -192,10 +206,11 @@ class _LogProbEntropy(torch.autograd.Function):
                 grad[rs, :shard.valid] = x
             grad[:, shard.valid:] = 0
             if g_logp is not None:
+                # + g_logp at the target column of the rows this shard owns: a scatter of zeros
+                # into column 0 of the other rows (no owned.nonzero(), a device-to-host sync)
                 owned, local = picked
-                rows = owned.nonzero().squeeze(1)
-                grad.index_put_((rows, local[rows]), g_l.squeeze(1)[rows].to(grad.dtype),
-                                accumulate=True)
+                add = torch.where(owned, g_l.squeeze(1), 0).to(grad.dtype)
+                grad.scatter_add_(1, local.unsqueeze(1), add.unsqueeze(1))
         return grad.view(logits.shape), None, None, None, None
 
 
@@ -259,18 +274,20 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
     for grad in grads:
         if grad is not None:
             grad[:, valid:] = 0                                 # padding columns
-    values = torch.zeros(z.shape[0], dtype=dtype)
-    tile = rows_per(measure.tile_elements, valid)
+    device = z.device
+    values = torch.zeros(z.shape[0], dtype=dtype, device=device)
+    # tiles keep a CPU core's cache warm; a GPU kernel takes the whole chunk at once
+    tile = rows_per(measure.tile_elements, valid) if device.type == "cpu" else shard.chunk_size
     # chunk buffers, allocated once (fresh pages cost a page fault each on first touch)
     rows = min(shard.chunk_size, z.shape[0])
-    p_buf, q_buf = (torch.empty(rows, valid, dtype=dtype) for _ in range(2))
-    f_a_buf = torch.empty(rows, valid, dtype=dtype) if want else None
-    f_b_buf = torch.empty(rows, valid, dtype=dtype) if want_base else None
+    p_buf, q_buf = (torch.empty(rows, valid, dtype=dtype, device=device) for _ in range(2))
+    f_a_buf = torch.empty(rows, valid, dtype=dtype, device=device) if want else None
+    f_b_buf = torch.empty(rows, valid, dtype=dtype, device=device) if want_base else None
     for rs in shard.chunks(z.shape[0]):
         n = rs.stop - rs.start
         tiles = [(slice(i, min(i + tile, n)), slice(rs.start + i, min(rs.start + i + tile, rs.stop)))
                  for i in range(0, n, tile)]                    # (chunk rows, global rows)
-        local = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype)   # no mass: padding only
+        local = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=device)  # padding only
         p, q = p_buf[:n], q_buf[:n]
         for t, g in tiles:
             for k, (buf, src) in enumerate(((p, z), (q, z_b))):
@@ -280,7 +297,7 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
                     # the largest entry of a softmax is 1 / sum e^(c - max): lse without more exps
                     local[k, t] = c.amax(dim=-1) - torch.log(buf[t].amax(dim=-1))
         total = _global_logsumexp(local, shard.group)
-        sums = torch.zeros(3, n, dtype=dtype)                   # row sums of f, F, G
+        sums = torch.zeros(3, n, dtype=dtype, device=device)    # row sums of f, F, G
         scale = torch.exp(local - total).unsqueeze(-1)          # shard -> global softmax, [2, n, 1]
         for t, g in tiles:
             if valid == 0:
@@ -385,6 +402,5 @@ def separable_divergence(measure: SeparableMeasure, logits: torch.Tensor, logits
     values are destroyed during this call, as megatron-core's cross entropy destroys its input):
     for a reference whose logits serve nothing else; the base must not require grad.
     """
-    shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size,
-                          DIVERGENCE_CHUNK_ELEMENTS)
+    shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size, DIVERGENCE_CHUNK_BYTES)
     return _SeparableDivergence.apply(logits, logits_base, measure, shard, consume_base)

@@ -125,6 +125,7 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
             position_embedding_type="rope", rotary_base=arch.rope_theta,
             rope_scaling=arch.rope_scaling_factor is not None,
             rope_scaling_factor=arch.rope_scaling_factor or 1.0, vp_stage=vp)
+        mark_tensor_parallel(gpt)
         chunks.append(Float16Module(config, gpt) if (config.bf16 or config.fp16) else gpt)
     model = MegatronModel(chunks=chunks, arch=arch, family=family, config=config, role=role,
                           padded_vocab_size=padded, hf_config=hf_config)
@@ -162,21 +163,49 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         num_layers_in_first_pipeline_stage=stage_layers[0] if uneven else None,
         num_layers_in_last_pipeline_stage=stage_layers[-1] if uneven else None,
         use_cpu_initialization=not cuda,
-        # Skipped when every weight is loaded next, except with CPU initialisation: megatron-core
-        # sets the tensor_model_parallel/partition_dim attributes of TP weights only inside its
-        # CPU init routine (tensor_parallel/layers.py, _initialize_affine_weight_cpu), and the
-        # gradient-norm and clipping code needs them to count each TP shard once.
-        perform_initialization=initialize or not cuda,
+        # Skipped when every weight is loaded next; mark_tensor_parallel then sets the TP markers
+        # that megatron-core < 0.19 sets only inside its init routines.
+        perform_initialization=initialize,
         # activation recompute (megatron applies it in training mode only: never to the reference)
         recompute_granularity=None if cfg.recompute_granularity == "none" else cfg.recompute_granularity,
         recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
         batch_p2p_sync=cuda,  # True calls torch.cuda.synchronize() around p2p
     )
     if cfg.fp8 != "none":
+        from megadiv.models.fp8 import check_fp8_here
+
+        check_fp8_here(cfg.fp8)  # TE version and GPU generation (models/fp8.py)
         # 'hybrid': E4M3 forward, E5M2 gradients; the recipe picks the scaling (delayed/tensorwise/...)
         fields.update(fp8="hybrid", fp8_recipe=cfg.fp8)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def mark_tensor_parallel(module: torch.nn.Module) -> None:
+    """Set megatron's TP markers (tensor_model_parallel, partition_dim, partition_stride) on every
+    parameter of ``module`` that lacks them.
+
+    megatron-core before 0.19 sets them on the weights of its own TP layers only inside the init
+    routines (tensor_parallel/layers.py, _initialize_affine_weight_cpu/_gpu), which
+    ``perform_initialization=False`` skips when the weights are loaded instead (fixed upstream by
+    NVIDIA/Megatron-LM#4084, "Set tensor-parallel attributes irrespective of perform_initialization"). Without them the
+    gradient-norm and clipping code counts a TP-split weight on TP rank 0 alone, as if it were
+    replicated: the norm misses the other shards (on any backend). Transformer Engine's layers
+    set their own markers whether or not they initialise. Every other parameter is replicated
+    over TP and gets the defaults."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                      set_defaults_if_not_set_tensor_model_parallel_attributes,
+                                                      set_tensor_model_parallel_attributes)
+
+    splits = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))  # (layer, dim)
+    for layer in module.modules():
+        split = next((dim for cls, dim in splits if isinstance(layer, cls)), None)
+        weight = getattr(layer, "weight", None)
+        if split is not None and isinstance(weight, torch.nn.Parameter) and not getattr(
+                weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=split, stride=1)
+    for p in module.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
 
 def layer_spec(family: Family, impl: str):

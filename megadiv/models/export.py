@@ -47,7 +47,7 @@ def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str,
     owner = _owner_stages(local, pp_group)
     dtype = model.config.params_dtype
     device = next(iter(local.values())).device
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
 
     for bucket in _buckets(plan(model.arch), bucket_bytes, element):
         out = []
@@ -111,5 +111,5 @@ def _buckets(planned: list[PlannedTensor], bucket_bytes: int, element: int) -> I
 
 def bucket_count(model, bucket_bytes: int) -> int:
     """How many buckets iter_hf_weight_buckets(model, bucket_bytes) yields (no communication)."""
-    element = torch.empty((), dtype=model.config.params_dtype).element_size()
+    element = model.config.params_dtype.itemsize
     return sum(1 for _ in _buckets(plan(model.arch), bucket_bytes, element))

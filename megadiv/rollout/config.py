@@ -42,7 +42,9 @@ class RolloutConfig:
     server_tp: int = 1
     """Tensor-parallel size of a launched server (GPU only; CPU servers run TP=1)."""
     mem_fraction_static: float = 0.8
-    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only)."""
+    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only). A server
+    colocated with the trainer gets this minus the trainer's optimizer state; (1 - this) of the
+    GPU stays free for the trainer's activations (docs/rollout.md)."""
     server_args: tuple[str, ...] = ()
     """Extra ``sglang.launch_server`` flags for a launched server, e.g. ("--max-running-requests", "64")."""
     log_dir: str | None = None
@@ -55,10 +57,11 @@ class RolloutConfig:
     """SIGTERM -> SIGKILL grace period when stopping a launched server."""
 
     # -- weight sync --
-    sync_method: Literal["distributed", "tensor", "disk"] = "distributed"
-    """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU);
-    tensor: shared-memory / CUDA-IPC handles (servers on the trainer's machine only);
-    disk: safetensors in ``sync_dir`` (servers must see that directory)."""
+    sync_method: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU;
+    servers on GPUs of their own); tensor: CUDA-IPC handles (servers on the trainer's machine);
+    disk: safetensors in ``sync_dir`` (servers must see that directory); auto: tensor for a
+    server launched on the trainer's GPUs (colocated), distributed otherwise."""
     bucket_bytes: int = 512 << 20
     """Bytes per weight bucket (one broadcast / one request); bigger is faster, smaller uses less memory."""
     sync_timeout_s: float = 600.0
@@ -71,8 +74,13 @@ class RolloutConfig:
 
     # -- mismatch check --
     mismatch_threshold: float = 0.05
-    """Largest allowed mean |engine log-prob - trainer log-prob| over the probe tokens after a sync;
-    above it the sync raises (a stale or corrupted weight moves this by O(1))."""
+    """Largest allowed mean |engine log-prob - trainer log-prob| over the probe tokens after a sync
+    with a float32/bf16 trainer; above it the sync raises (a stale or corrupted weight moves this
+    by O(1))."""
+    mismatch_threshold_fp8: float = 0.25
+    """The same limit for an FP8 trainer (model.fp8), whose log-probs carry FP8's rounding (3
+    mantissa bits per GEMM operand) against the server's bf16 ones: an estimate from the FP8
+    logits test's 0.5 maximum, not yet measured on a GPU (docs/rollout.md)."""
     probe_prompts: int = 4
     """Sequences in the post-sync probe batch (random tokens, fixed for the run)."""
     probe_prompt_len: int = 16
@@ -99,7 +107,7 @@ class RolloutConfig:
         if not 0 < self.mem_fraction_static < 1:
             fail("mem_fraction_static", "must lie in (0, 1)")
         for key in ("startup_timeout_s", "request_timeout_s", "shutdown_grace_s", "sync_timeout_s",
-                    "mismatch_threshold"):
+                    "mismatch_threshold", "mismatch_threshold_fp8"):
             if getattr(self, key) <= 0:
                 fail(key, "must be > 0")
         for url in self.server_urls:
@@ -114,3 +122,7 @@ class RolloutConfig:
             fail("num_servers", "is only used by engine 'sglang' (engine is 'embedded')")
         if len(set(self.server_urls)) != len(self.server_urls):
             fail("server_urls", "must not repeat a server")
+
+    def probe_threshold(self, fp8: bool) -> float:
+        """The post-sync probe's limit for a trainer with or without FP8."""
+        return self.mismatch_threshold_fp8 if fp8 else self.mismatch_threshold

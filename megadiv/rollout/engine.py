@@ -133,16 +133,17 @@ def resolve_engine_name(cfg: RolloutConfig) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
 
 
-def make_engine(cfg: RolloutConfig, hf_dir: str) -> RolloutEngine:
-    """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update."""
+def make_engine(cfg: RolloutConfig, hf_dir: str, reserved_bytes: int = 0) -> RolloutEngine:
+    """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update.
+    ``reserved_bytes``: GPU memory the trainer allocates after a launched server starts."""
     if resolve_engine_name(cfg) == "embedded":
         from megadiv.rollout.embedded import EmbeddedEngine
         return EmbeddedEngine(hf_dir, cfg)
     if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
         from megadiv.rollout.fleet import FleetEngine
-        return FleetEngine(hf_dir, cfg)
+        return FleetEngine(hf_dir, cfg, reserved_bytes)
     from megadiv.rollout.sglang_engine import SGLangEngine
-    return SGLangEngine(hf_dir, cfg)
+    return SGLangEngine(hf_dir, cfg, reserved_bytes)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]]) -> None:

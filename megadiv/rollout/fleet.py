@@ -52,15 +52,16 @@ _END = object()
 class FleetEngine:
     """The rollout protocol over one :class:`SGLangEngine` per server (see the module docstring)."""
 
-    def __init__(self, hf_dir: str, cfg: RolloutConfig):
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, reserved_bytes: int = 0):
+        """``reserved_bytes``: as for one SGLangEngine; launched server i gets its own GPUs
+        (``--base-gpu-id``, sglang_server.place_server with index i)."""
         if cfg.server_urls:
             configs = [dataclasses.replace(cfg, server_urls=(url,)) for url in cfg.server_urls]
         else:  # launch cfg.num_servers, concurrently (CPU start-up takes 20-80 s each)
-            configs = [dataclasses.replace(cfg, num_servers=1, server_args=cfg.server_args + _placement(i, cfg))
-                       for i in range(cfg.num_servers)]
+            configs = [dataclasses.replace(cfg, num_servers=1) for _ in range(cfg.num_servers)]
         self.cfg = cfg
         self._pool = ThreadPoolExecutor(max_workers=2 * len(configs), thread_name_prefix="fleet")
-        futures = [self._pool.submit(SGLangEngine, hf_dir, c) for c in configs]
+        futures = [self._pool.submit(SGLangEngine, hf_dir, c, reserved_bytes, i) for i, c in enumerate(configs)]
         wait(futures)
         started = [f.result() for f in futures if f.exception() is None]
         failed = [f.exception() for f in futures if f.exception() is not None]
@@ -206,10 +207,3 @@ def _raise_first_failure(futures: dict) -> None:
 
 def _short(e: BaseException) -> str:
     return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-
-
-def _placement(index: int, cfg: RolloutConfig) -> tuple[str, ...]:
-    """Launched server ``index`` on its own GPUs (``--base-gpu-id``); CPU servers need nothing."""
-    if not torch.cuda.is_available():
-        return ()
-    return ("--base-gpu-id", str(index * cfg.server_tp))

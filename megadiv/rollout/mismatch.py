@@ -64,8 +64,8 @@ def check_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLog
     if bad:
         figures = "; ".join(f"{name}: mean {r.mean_abs:.3g} (max {r.max_abs:.3g})" for name, r in bad.items())
         raise WeightSyncError(f"after weight sync {version!r}: the engine's log-probs differ from the trainer's over "
-                              f"{next(iter(bad.values())).tokens} probe tokens, above rollout.mismatch_threshold="
-                              f"{threshold} ({figures}): not serving the trainer's weights (stale, missing or "
+                              f"{next(iter(bad.values())).tokens} probe tokens, above the limit {threshold} "
+                              f"(rollout.mismatch_threshold, or _fp8 for an FP8 trainer) ({figures}): not serving the trainer's weights (stale, missing or "
                               f"misnamed tensors?)")
     return max(reports.values(), key=lambda r: r.mean_abs)
 

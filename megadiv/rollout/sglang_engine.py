@@ -23,6 +23,7 @@ WeightSyncError naming the server and the version, and the session is closed aga
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -37,7 +38,7 @@ import torch
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import (Bucket, Completion, RolloutError, SamplingParams, SyncReport, WeightSyncError,
                                     check_prompts)
-from megadiv.rollout.sglang_server import SGLangServer
+from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, place_server
 from megadiv.rollout.weight_sync import (BroadcastGroup, Peer, check_bucket, flatten_bucket, post, read_manifest,
                                          serialize_bucket, write_bucket)
 
@@ -45,8 +46,13 @@ log = logging.getLogger(__name__)
 
 
 class SGLangEngine:
-    def __init__(self, hf_dir: str, cfg: RolloutConfig):
-        if cfg.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, cfg.server_urls))):
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, reserved_bytes: int = 0, server_index: int = 0):
+        """``reserved_bytes``: GPU memory the trainer will still allocate on its first GPU after a
+        launched server starts; ``server_index``: this server's place in a fleet (see
+        sglang_server.place_server)."""
+        self.gpu = self._placement(cfg, reserved_bytes, server_index)
+        self.sync_method = resolve_sync_method(cfg, self.gpu)
+        if self.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, cfg.server_urls))):
             raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA and servers on "
                              f"this machine (servers: {list(cfg.server_urls)}); use 'distributed' or 'disk'")
         self.cfg = cfg
@@ -58,7 +64,7 @@ class SGLangEngine:
         if cfg.server_urls:
             self.urls = [u.rstrip("/") for u in cfg.server_urls]
         else:
-            self.server = SGLangServer.launch(hf_dir, cfg)
+            self.server = SGLangServer.launch(hf_dir, cfg, self.gpu)
             self.urls = [self.server.url]
         self._pool = ThreadPoolExecutor(max_workers=4 * len(self.urls) + 4, thread_name_prefix="sglang-http")
         try:
@@ -138,7 +144,7 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
-        cfg, method = self.cfg, self.cfg.sync_method
+        cfg, method = self.cfg, self.sync_method
         where = f"weight sync to version {version!r} ({method}) on {self.urls}"
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0
@@ -244,6 +250,16 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ helpers
 
+    @staticmethod
+    def _placement(cfg: RolloutConfig, reserved_bytes: int, index: int) -> GpuPlacement | None:
+        """The GPUs of a server launched here (None: attached servers, or no CUDA). The trainer's
+        ranks on this node hold GPUs [0, LOCAL_WORLD_SIZE) (torchrun)."""
+        if cfg.server_urls or not torch.cuda.is_available():
+            return None
+        return place_server(cfg, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                            visible_gpus=torch.cuda.device_count(), reserved_bytes=reserved_bytes,
+                            gpu_bytes=torch.cuda.get_device_properties(0).total_memory, index=index)
+
     def _check_not_paused(self) -> None:
         if self._paused:
             raise RolloutError("the engine is paused: call resume() before generate()/score()")
@@ -268,6 +284,21 @@ class SGLangEngine:
             return ""
         state = "running" if self.server.alive() else f"exited with code {self.server.proc.returncode}"
         return f"\n(launched server {state}; log {self.server.log_path})"
+
+
+def resolve_sync_method(cfg: RolloutConfig, gpu: GpuPlacement | None) -> str:
+    """``auto``: CUDA-IPC handles (``tensor``) for a launched server sharing GPUs with the trainer,
+    a broadcast group (``distributed``) otherwise. A broadcast group cannot span a shared GPU:
+    NCCL refuses two ranks of one communicator on one device ("Duplicate GPU detected")."""
+    colocated = gpu is not None and gpu.shares_trainer_gpus
+    if cfg.sync_method == "auto":
+        return "tensor" if colocated else "distributed"
+    if cfg.sync_method == "distributed" and colocated:
+        raise ValueError(f"rollout.sync_method 'distributed' with a server launched on the trainer's GPUs "
+                         f"{list(range(gpu.base_gpu_id, gpu.base_gpu_id + cfg.server_tp))}: NCCL refuses two ranks "
+                         f"of one group on one GPU; use sync_method 'tensor' (or 'auto'), or leave GPUs free "
+                         f"for the server")
+    return cfg.sync_method
 
 
 def _post_generate(url: str, payload: dict, timeout_s: float) -> list[dict]:

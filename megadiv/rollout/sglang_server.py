@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -53,12 +54,57 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, cuda: bool) -> list[str]:
-    """The ``sglang.launch_server`` command line for ``hf_dir`` on 127.0.0.1:``port``."""
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Where a launched server runs on this node: GPUs [base_gpu_id, base_gpu_id + server_tp),
+    and the share of each GPU's memory its weights and KV cache may reach."""
+
+    base_gpu_id: int
+    shares_trainer_gpus: bool
+    mem_fraction_static: float
+
+
+# Below this share of a GPU a colocated server has no room for a useful KV cache.
+MIN_COLOCATED_FRACTION = 0.05
+
+
+def place_server(cfg: RolloutConfig, trainer_gpus: int, visible_gpus: int, reserved_bytes: int = 0,
+                 gpu_bytes: int = 1, index: int = 0) -> GpuPlacement:
+    """The GPUs of launched server ``index`` (of a fleet; 0 for one server) on a node where the
+    trainer's ranks hold GPUs [0, trainer_gpus); server i's share is GPUs [i x tp, (i+1) x tp)
+    of the region it lands in.
+
+    Free GPUs after the trainer's: the server takes them (``--base-gpu-id trainer_gpus + i x tp``)
+    and its configured memory share. Otherwise it shares GPUs [i x tp, (i+1) x tp) with trainer
+    ranks (colocated): it then gets ``mem_fraction_static`` minus ``reserved_bytes`` / ``gpu_bytes``,
+    the memory the trainer will still allocate after the server has sized its KV cache (Adam's
+    moments, created at the first optimizer step). SGLang sizes its KV cache as the memory free
+    after loading its weights minus (1 - fraction) x the GPU, so the trainer's remaining share
+    of the GPU, (1 - mem_fraction_static) x the GPU, stays free for its activations."""
+    tp = cfg.server_tp
+    if trainer_gpus + (index + 1) * tp <= visible_gpus:
+        return GpuPlacement(trainer_gpus + index * tp, False, cfg.mem_fraction_static)
+    if (index + 1) * tp > visible_gpus:
+        raise RolloutError(f"rollout server {index} with rollout.server_tp={tp} needs GPUs {index * tp}.."
+                           f"{(index + 1) * tp - 1}; {visible_gpus} are visible here")
+    fraction = cfg.mem_fraction_static - reserved_bytes / gpu_bytes
+    if fraction < MIN_COLOCATED_FRACTION:
+        raise RolloutError(
+            f"a server colocated with the trainer on GPUs {index * tp}..{(index + 1) * tp - 1} would get "
+            f"{fraction:.3f} of each GPU: rollout.mem_fraction_static={cfg.mem_fraction_static} minus the trainer's "
+            f"optimizer state ({reserved_bytes / 2**30:.1f} GiB of {gpu_bytes / 2**30:.1f} GiB); raise "
+            f"mem_fraction_static, shard the optimizer over more data-parallel ranks, or leave GPUs free for the server")
+    return GpuPlacement(index * tp, True, round(fraction, 4))
+
+
+def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, gpu: GpuPlacement | None) -> list[str]:
+    """The ``sglang.launch_server`` command line for ``hf_dir`` on 127.0.0.1:``port``, on the GPUs
+    of ``gpu`` (None: a CPU server)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
            "--host", "127.0.0.1", "--port", str(port)]
-    if cuda:
-        cmd += ["--tp-size", str(cfg.server_tp), "--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if gpu is not None:
+        cmd += ["--tp-size", str(cfg.server_tp), "--base-gpu-id", str(gpu.base_gpu_id),
+                "--mem-fraction-static", str(gpu.mem_fraction_static)]
     else:
         if cfg.server_tp != 1:
             raise ValueError(f"rollout.server_tp={cfg.server_tp}: a CPU SGLang server runs TP=1")
@@ -95,14 +141,15 @@ class SGLangServer:
         self._finalizer = weakref.finalize(self, _kill_group, proc, grace_s)
 
     @classmethod
-    def launch(cls, hf_dir: str, cfg: RolloutConfig) -> SGLangServer:
-        """Start a server for ``hf_dir`` and wait until /health answers (cfg.startup_timeout_s)."""
-        cuda = torch.cuda.is_available()
+    def launch(cls, hf_dir: str, cfg: RolloutConfig, gpu: GpuPlacement | None = None) -> SGLangServer:
+        """Start a server for ``hf_dir`` (on the GPUs of ``gpu``; None on a CPU machine) and wait
+        until /health answers (cfg.startup_timeout_s)."""
+        cuda = gpu is not None
         port = free_port()
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="megadiv-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"sglang-{port}.log"
-        cmd = launch_command(hf_dir, port, cfg, cuda)
+        cmd = launch_command(hf_dir, port, cfg, gpu)
         log.info("launching SGLang server on port %d (log: %s): %s", port, log_path, " ".join(cmd))
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, env=child_env(cuda), stdout=out, stderr=subprocess.STDOUT,

@@ -7,7 +7,8 @@ SGLangEngine.update_weights.
   format): one broadcast per bucket instead of one per tensor.
 - :class:`BroadcastGroup`: the trainer's end of SGLang's weight-update process group (gloo on CPU,
   NCCL on GPU), whose broadcasts never hang: each one runs alongside the servers' HTTP requests and
-  fails as soon as a server refuses, or after the timeout.
+  fails as soon as a server refuses, or after the timeout, by aborting the communicator and raising
+  WeightSyncError (never left to the NCCL watchdog, which would kill the trainer).
 - :func:`serialize_bucket` (CUDA-IPC handles) and :func:`write_bucket` (safetensors).
 """
 from __future__ import annotations
@@ -155,15 +156,21 @@ class BroadcastGroup:
     so this follows SGLang's own ``init_custom_process_group`` (a TCP store, a prefix store named
     after the group, torch's private ``_new_process_group_helper``): the same construction on both
     ends makes the store keys agree.
+
+    Ordering (the same for gloo and NCCL): the servers are asked to join first (their HTTP calls
+    block until every rank joined), then this rank joins. Neither end passes ``device_id``, so an
+    NCCL communicator is created lazily, at the first broadcast, on both ends at once: with
+    ``device_id`` this rank's join would initialise it eagerly and block (torch >= 2.7.1) for
+    servers that only create theirs at the first broadcast, which is sent after the join returns.
     """
 
     def __init__(self, peers: list[Peer], timeout_s: float, pool: ThreadPoolExecutor):
-        self.peers, self.timeout_s = peers, timeout_s
+        self.peers, self.timeout_s, self.pool = peers, timeout_s, pool
         self.name = f"megadiv-{uuid.uuid4().hex[:12]}"
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.world_size = 1 + sum(p.tp_size for p in peers)
         self.pg = None
-        self.broken = False
+        self.broken = False  # a broadcast failed: the communicator was aborted, the group is gone
         host = _address_seen_by(peers[0].url)
         port = free_port(host)
         offsets = [1 + sum(p.tp_size for p in peers[:i]) for i in range(len(peers))]
@@ -174,7 +181,8 @@ class BroadcastGroup:
                                 "world_size": self.world_size, "group_name": self.name, "backend": self.backend},
                                timeout_s) for p, off in zip(peers, offsets)]
         try:
-            self.pg = _custom_group(self.backend, host, port, self.world_size, self.name, timeout_s)
+            self.pg = _custom_group(self.backend, host, port, self.world_size, self.name,
+                                    timeout_s + COLLECTIVE_GRACE_S)
         except Exception as e:
             errors = [str(f.exception(timeout=1)) for f in futures if f.done() and f.exception(timeout=0)]
             raise WeightSyncError(f"weight-update group {self.name} ({self.backend}, {host}:{port}) with "
@@ -188,23 +196,50 @@ class BroadcastGroup:
         """Broadcast ``flat`` to the servers while their HTTP requests run; fail fast if one refuses.
 
         A server that refuses an update before receiving (wrong group, no open session, bad
-        metadata) never joins the broadcast, which would otherwise block this rank forever."""
+        metadata) never joins the broadcast, which would otherwise block this rank forever. The
+        collective's own timeout is ``COLLECTIVE_GRACE_S`` longer than ours, so that this rank, not
+        the NCCL watchdog, decides: it aborts the communicator and raises."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-        work = self.pg.broadcast([flat], opts)
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s + COLLECTIVE_GRACE_S)
+        # issued from a worker thread: with lazy initialisation the first NCCL collective creates the
+        # communicator and blocks until every server joined, which a refusing server never does
+        issued = self.pool.submit(self.pg.broadcast, [flat], opts)
         deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
+        while not (issued.done() and (issued.exception() is not None or issued.result().is_completed())):
             for url, fut in requests_:
                 if fut.done() and fut.exception() is not None:
-                    self.broken = True  # this broadcast is still pending: the group is unusable
+                    self.abort()
                     raise WeightSyncError(f"{where}: server {url} refused the bucket: {fut.exception()}")
             if time.monotonic() > deadline:
-                self.broken = True
+                self.abort()
                 raise WeightSyncError(f"{where}: broadcast not received within {self.timeout_s:.0f} s "
                                       f"(rollout.sync_timeout_s) by {[u for u, _ in requests_]}")
             time.sleep(0.002)
-        work.wait()  # re-raises a gloo/NCCL error (e.g. a server died mid-transfer)
+        try:
+            issued.result().wait()  # re-raises a gloo/NCCL error (e.g. a server died mid-transfer)
+        except Exception as e:
+            self.abort()
+            raise WeightSyncError(f"{where}: broadcast failed: {e}") from None
+
+    def abort(self) -> None:
+        """Drop the group after a failed broadcast: the pending work would otherwise stay queued
+        on the communicator (NCCL: until the watchdog's timeout kills the process). NCCL's abort
+        cancels it at once (ncclCommAbort); a worker thread still waiting for a lazy NCCL
+        initialisation that no server joins is left behind, harmlessly. A gloo group is only
+        dropped: its abort and destroy wait for the pending work, which its own timeout ends in a
+        background thread. The servers' ends go with /destroy_weights_update_group."""
+        self.broken = True
+        if self.pg is None or self.backend != "nccl":
+            self.pg = None
+            return
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group(self.pg)
+        except Exception as e:  # aborting is best effort: the group is unusable either way
+            log.warning("aborting weight-update group %s: %s", self.name, e)
+        self.pg = None
 
     def destroy(self, pool: ThreadPoolExecutor) -> None:
         """Leave the group on both sides (best effort: a dead server cannot answer)."""
@@ -213,9 +248,13 @@ class BroadcastGroup:
         for f in futures:
             if f.exception() is not None:
                 log.warning("destroying weight-update group %s: %s", self.name, f.exception())
-        if self.pg is not None and not self.broken:
+        if self.pg is not None:
             dist.destroy_process_group(self.pg)
         self.pg = None
+
+
+# Extra time the collectives get beyond rollout.sync_timeout_s: our deadline fires first.
+COLLECTIVE_GRACE_S = 60.0
 
 
 def _custom_group(backend: str, host: str, port: int, world_size: int, name: str, timeout_s: float):
@@ -226,9 +265,9 @@ def _custom_group(backend: str, host: str, port: int, world_size: int, name: str
     # torchrun (TORCHELASTIC_USE_AGENT_STORE), and the servers connect as clients too
     store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                           multi_tenant=True)
-    device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+    # no device_id: lazy NCCL initialisation, as on the servers' end (see BroadcastGroup)
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(name, store),
-                                      group_name=name, timeout=timeout, **device)
+                                      group_name=name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

@@ -7,6 +7,7 @@ import sys
 import yaml
 
 from megadiv.config import ConfigError, to_dict
+from megadiv.models.fp8 import check_fp8_here
 from megadiv.trainer.cli import add_config_arguments, load_train_config
 
 
@@ -20,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_train_config(args, args.world_size)
+        check_fp8_here(cfg.model.fp8)  # with the TE and GPU this machine has, if any
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class RolloutDriver:
     """Prompts -> completions -> rewards -> advantages, and held-out evaluation."""
 
-    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer):
+    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, reserved_bytes: int = 0):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.dataset = load_dataset(cfg.data)
         self.template = PromptTemplate.resolve(cfg.data, self.dataset, tokenizer)
@@ -38,7 +38,7 @@ class RolloutDriver:
             eval_data, [cfg.reward] * (cfg.eval.data is not None) + [default_reward(d.name, cfg.reward)
                                                                      for d in cfg.eval.extra_data],
             tokenizer, shared={cfg.reward: self.reward})
-        self.engine = make_engine(cfg.rollout, hf_dir)
+        self.engine = make_engine(cfg.rollout, hf_dir, reserved_bytes)  # after the models: see place_server
         self.sampling = SamplingParams.from_config(cfg.rollout)
 
     def collect(self, step: int, timer: StepTimer) -> Experience:

@@ -51,7 +51,8 @@ def train(cfg: TrainConfig) -> Path:
 
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        driver = RolloutDriver(cfg, start_dir, tokenizer) if info.rank == 0 else None
+        driver = (RolloutDriver(cfg, start_dir, tokenizer, reserved_bytes=actor.optimizer_state_bytes())
+                  if info.rank == 0 else None)
         logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps)
         probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
@@ -119,7 +120,7 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:  # else on-policy: logp.detach()
         batch.logp_old = actor.log_probs(batch, mbs)
     if kl_in_reward:
-        batch.advantages = _advantages_with_kl_in_reward(cfg, exp, batch, rows)
+        batch.advantages = _advantages_with_kl_in_reward(cfg, actor, exp, batch, rows)
     # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
     regularizer = DIVERGENCES[cfg.loss.regularizer](consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
@@ -130,18 +131,19 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     return metrics
 
 
-def _advantages_with_kl_in_reward(cfg: TrainConfig, exp: Experience, batch: SequenceBatch, rows: slice):
+def _advantages_with_kl_in_reward(cfg: TrainConfig, actor: Policy, exp: Experience, batch: SequenceBatch,
+                                  rows: slice):
     """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again. The
     last pipeline stages hold the log-probs of their replica's rows; one all-reduce assembles the
     penalty of every row on every rank (each of the TP ranks of a last stage adds the same value)."""
     from megatron.core import parallel_state
 
-    penalty = torch.zeros(len(exp))
+    penalty = torch.zeros(len(exp), device=actor.device)  # the default group may be NCCL
     if batch.logp_ref is not None:
         penalty[rows] = kl_reward_penalty(cfg.loss.kl_estimator, cfg.loss.kl_coef, batch.logp_old, batch.logp_ref,
-                                          batch.loss_mask)
+                                          batch.loss_mask.to(actor.device))
     dist.all_reduce(penalty)
-    penalty /= parallel_state.get_tensor_model_parallel_world_size()
+    penalty = penalty.cpu() / parallel_state.get_tensor_model_parallel_world_size()
     return compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
 
 
@@ -168,7 +170,8 @@ def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None,
     if every and step % every == 0:
         trainer_lp = _probe_logprobs(actor, probe)
         if driver:
-            report = check_mismatch(driver.engine, probe, trainer_lp, cfg.rollout.mismatch_threshold, f"step-{step}")
+            report = check_mismatch(driver.engine, probe, trainer_lp,
+                                    cfg.rollout.probe_threshold(cfg.model.fp8 != "none"), f"step-{step}")
             metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
     return metrics
 
@@ -180,6 +183,7 @@ def _probe_logprobs(actor: Policy, probe: ProbeBatch) -> list[torch.Tensor]:
     logp = actor.log_probs(batch, micro_batch_size=len(batch), temperature=1.0)
     out = [None]
     if dist.get_rank() == dist.get_world_size() - 1:  # a last pipeline stage
+        logp = logp.cpu()  # an object broadcast pickles tensors with their device: send host copies
         out = [[logp[i, len(p) - 1:len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(probe.prompts,
                                                                                        probe.responses))]]
     dist.broadcast_object_list(out, src=dist.get_world_size() - 1)

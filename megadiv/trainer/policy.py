@@ -64,21 +64,27 @@ class SequenceBatch:
             raise ValueError(f"{len(self)} rows do not split into micro-batches of {size}")
         return self.split(len(self) // size)
 
+    def to(self, device: torch.device) -> "SequenceBatch":
+        return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                for f in fields(self)})
+
     @classmethod
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
              response_values: list[list[float]] | None = None, **fields) -> "SequenceBatch":
         """Right-padded rows prompt + response; ``loss_mask`` (and ``logp_rollout`` from
-        ``response_values``) sit on the positions that predict response tokens."""
+        ``response_values``) sit on the positions that predict response tokens. Built in host
+        memory (row by row); the policy moves each micro-batch to the model's device."""
         seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
-        tokens = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(prompts), seq_len)
-        values = torch.zeros(len(prompts), seq_len) if response_values is not None else None
+        host = torch.device("cpu")
+        tokens = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long, device=host)
+        mask = torch.zeros(len(prompts), seq_len, device=host)
+        values = torch.zeros(len(prompts), seq_len, device=host) if response_values is not None else None
         for i, (p, r) in enumerate(zip(prompts, responses)):
-            tokens[i, :len(p) + len(r)] = torch.tensor(p + r)
+            tokens[i, :len(p) + len(r)] = torch.tensor(p + r, device=host)
             start = len(p) - 1  # the last prompt position predicts the first response token
             mask[i, start:start + len(r)] = 1.0
             if values is not None:
-                values[i, start:start + len(r)] = torch.tensor(response_values[i], dtype=torch.float32)
+                values[i, start:start + len(r)] = torch.tensor(response_values[i], dtype=torch.float32, device=host)
         return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)
 
 
@@ -102,6 +108,9 @@ class Policy:
         self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.chunks = self.model.chunks
+        # every tensor of a step is made on (or moved to) the device of the weights
+        self.device = next(self.chunks[0].parameters()).device
+        self.seq_multiple = sequence_multiple(model_cfg, parallel_cfg)
         self.optimizer = self.scheduler = None
         if role == "actor":
             self._init_training(optim_cfg or OptimConfig(), total_steps)
@@ -116,6 +125,7 @@ class Policy:
         # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam
         # only); also at DP=1, so that Adam's checkpoints have one format at every DP size
         use_distributed_optimizer = optim.optimizer == "adam"
+        self.optim_name, self.use_distributed_optimizer = optim.optimizer, use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
             average_in_collective=False)  # per-token loss: megatron divides by the global denominator
@@ -143,17 +153,20 @@ class Policy:
     def _run_schedule(self, batch: SequenceBatch, micro_batch_size: int, loss_func, forward_only: bool,
                       extra_forward=None) -> list[dict]:
         """Push ``batch`` through megatron's pipeline schedule; returns the last stage's per-micro-batch
-        dicts (empty elsewhere). ``loss_func(mb, logits, extra)`` gets the logits shard [b, s, V/TP]."""
+        dicts (empty elsewhere). ``loss_func(mb, logits, extra)`` gets the micro-batch on the model's
+        device and the logits shard [b, s', V/TP] of its tokens right-padded to s' (a multiple of
+        ``seq_multiple``: FP8 / sequence-parallel shape rules); ``extra_forward(tokens)`` gets the
+        padded tokens."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = batch.micro_batches(micro_batch_size)
-        seq_len = batch.tokens.shape[1]
-        positions = torch.arange(seq_len).unsqueeze(0)
+        micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
+        seq_len = -(-batch.tokens.shape[1] // self.seq_multiple) * self.seq_multiple
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = model(mb.tokens, positions.expand_as(mb.tokens), attention_mask=None)
-            extra = extra_forward(mb) if (extra_forward is not None and self.is_last_stage) else None
+            tokens = _pad_columns(mb.tokens, seq_len)
+            output = model(tokens, self._positions(tokens), attention_mask=None)
+            extra = extra_forward(tokens) if (extra_forward is not None and self.is_last_stage) else None
             return output, partial(loss_func, mb, extra=extra)
 
         context = torch.no_grad() if forward_only else torch.enable_grad()
@@ -165,15 +178,21 @@ class Policy:
 
     def _token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
                          inplace_backward: bool = False):
-        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s], from the vocab shard [b, s, V/TP].
-        ``inplace_backward`` writes the gradient into the logits' storage (as megatron's cross
-        entropy does): one [tokens, V/TP] buffer less, allowed when nothing else uses the logits."""
-        target = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)  # last position: masked out anyway
+        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s], from the vocab shard
+        [b, s', V/TP] of the (possibly padded, s' >= s) sequences whose first s positions are
+        ``tokens``. ``inplace_backward`` writes the gradient into the logits' storage (as megatron's
+        cross entropy does): one [tokens, V/TP] buffer less, allowed when nothing else uses the logits."""
+        target = _pad_columns(torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1), logits.shape[1])  # last: masked
         kwargs = dict(group=self.tp_group, vocab_start=self.vocab_start, vocab_size=self.model.vocab_size,
                       chunk_size=self.log_probs_chunk, inplace_backward=inplace_backward)
+        s = tokens.shape[1]  # positions past s are shape padding: cut before any loss or metric sees them
         if with_entropy:
-            return vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
-        return vocab_parallel.log_probs(logits, target, **kwargs), None
+            logp, ent = vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
+            return logp[:, :s], ent[:, :s]
+        return vocab_parallel.log_probs(logits, target, **kwargs)[:, :s], None
+
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
     def _tempered(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """logits / T in float32: log-probs of the distribution the rollout engine sampled from
@@ -188,16 +207,16 @@ class Policy:
         last pipeline stage; None on the others."""
         def loss_func(mb, logits, extra=None):
             logp, _ = self._token_log_probs(self._tempered(logits, temperature), mb.tokens, with_entropy=False)
-            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {"logp": logp}
+            return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), {"logp": logp}
 
         out = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True)
         return torch.cat([o["logp"] for o in out]) if self.is_last_stage else None
 
-    def logits_for(self, batch: SequenceBatch) -> torch.Tensor:
-        """Logit shard [B, S, V/TP] of this rank, without grad (reference model at PP=1 only)."""
+    def logits_for(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logit shard [B, S, V/TP] of this rank for ``tokens`` [B, S] (already on this model's
+        device and padded as the schedule pads them), without grad (reference model at PP=1 only)."""
         with torch.no_grad():
-            positions = torch.arange(batch.tokens.shape[1]).unsqueeze(0).expand_as(batch.tokens)
-            return self.chunks[0](batch.tokens, positions, attention_mask=None)
+            return self.chunks[0](tokens, self._positions(tokens), attention_mask=None)
 
     # ------------------------------------------------------------------ training
 
@@ -213,11 +232,12 @@ class Policy:
             vocab_div = None
             if regularizer is not None:
                 vocab_div = regularizer(logits, self._tempered(extra), group=self.tp_group,
-                                        vocab_start=self.vocab_start, vocab_size=self.model.vocab_size)
+                                        vocab_start=self.vocab_start,
+                                        vocab_size=self.model.vocab_size)[:, :mb.tokens.shape[1]]
             numerator, denominator, metrics = loss_fn(mb, logp, ent.detach(), vocab_div)
             # loss/* metrics are numerators too: per micro-batch means, weighted by the denominator
             # in _reduce_metrics; the other metrics are token means, weighted by the token count.
-            denominator = torch.as_tensor(denominator, dtype=torch.float32)
+            denominator = torch.as_tensor(denominator, dtype=torch.float32, device=logits.device)
             metrics = {k: v.detach() / denominator.clamp(min=1) if k.startswith("loss/") else v.detach()
                        for k, v in metrics.items()}
             weights = {"_weight/loss": denominator, "_weight/tokens": mb.loss_mask.sum()}
@@ -244,7 +264,7 @@ class Policy:
         """All gradients of all ranks finite (one all-reduce): a NaN step is skipped, not applied."""
         flags = [torch.isfinite(p.main_grad).all() for c in self.chunks for p in c.parameters()
                  if p.requires_grad and getattr(p, "main_grad", None) is not None]
-        ok = torch.stack(flags).all().float() if flags else torch.ones(())
+        ok = torch.stack(flags).all().float() if flags else torch.ones((), device=self.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok > 0)
 
@@ -256,10 +276,11 @@ class Policy:
         dist.broadcast_object_list(keys, src=dist.get_world_size() - 1)  # the last rank is a last stage
         keys = keys[0]
         weight_of = ["_weight/loss" if k.startswith("loss/") else "_weight/tokens" for k in keys]
+        f64, device = torch.float64, self.device  # the default group may be NCCL: device tensors
         sign = torch.tensor([1.0 if k.endswith("/max") else -1.0 if k.endswith("/min") else 0.0 for k in keys],
-                            dtype=torch.float64)
-        sums = torch.zeros(2, len(keys), dtype=torch.float64)  # [weighted sum, weight] per key
-        extreme = torch.full((len(keys),), -math.inf, dtype=torch.float64)  # max of sign * value
+                            dtype=f64, device=device)
+        sums = torch.zeros(2, len(keys), dtype=f64, device=device)  # [weighted sum, weight] per key
+        extreme = torch.full((len(keys),), -math.inf, dtype=f64, device=device)  # max of sign * value
         for o in out:
             values = torch.stack([o[k].double() for k in keys])
             w = torch.stack([o[wk].double() for wk in weight_of])
@@ -272,8 +293,35 @@ class Policy:
         reduced = torch.where(sign != 0, extreme * sign, means)
         return {k: float(v) for k, v in zip(keys, reduced.tolist())}
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank allocates at its first step (Adam's two float32
+        moments per parameter it updates, sharded over DP by the distributed optimizer); what
+        a rollout server started beside it must leave free."""
+        from megatron.core import parallel_state
+
+        if self.optimizer is None or self.optim_name != "adam":
+            return 0
+        params = sum(p.numel() for c in self.chunks for p in c.parameters() if p.requires_grad)
+        shards = parallel_state.get_data_parallel_world_size() if self.use_distributed_optimizer else 1
+        return 8 * params // shards
+
     def export_buckets(self, bucket_bytes: int):
         from megadiv.models.export import iter_hf_weight_buckets
 
         return iter_hf_weight_buckets(self.model, bucket_bytes)
 
+
+def sequence_multiple(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> int:
+    """What the sequence length fed to the model must be a multiple of: FP8 GEMMs (Transformer
+    Engine) need the token count per rank a multiple of 16, sequence parallelism splits the
+    sequence over the TP ranks; 16 x TP satisfies both."""
+    tp = parallel_cfg.tensor_parallel
+    if model_cfg.fp8 != "none":
+        return 16 * tp
+    return tp if parallel_cfg.sequence_parallel else 1
+
+
+def _pad_columns(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, S] -> [B, length], right-padded with zeros (token 0 at positions no loss reads: causal
+    attention keeps the first S positions exactly as they were)."""
+    return x if x.shape[1] == length else torch.nn.functional.pad(x, (0, length - x.shape[1]))

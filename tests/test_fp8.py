@@ -1,0 +1,72 @@
+"""FP8 on the CPU tier: which recipe runs where (checked before any GPU work), the probe limit
+for FP8 trainers, and the sequence multiple the policy pads to."""
+import subprocess
+import sys
+
+import pytest
+
+from megadiv.config import ConfigError, ModelConfig, ParallelConfig
+from megadiv.models.fp8 import FP8_RECIPES, check_fp8
+from megadiv.rollout import RolloutConfig
+from megadiv.trainer.policy import sequence_multiple
+
+HOPPER, BLACKWELL, AMPERE, ADA = (9, 0), (10, 0), (8, 0), (8, 9)
+
+
+@pytest.mark.parametrize("recipe, te, capability, error", [
+    ("tensorwise", (2, 2), HOPPER, None),
+    ("tensorwise", (2, 1), HOPPER, r"'tensorwise' needs Transformer Engine >= 2.2; 2.1 is installed"),
+    ("delayed", (2, 0), ADA, None),
+    ("delayed", (2, 0), AMPERE, r"compute capability 8.9 or newer; this GPU has compute capability 8.0$"),
+    ("mxfp8", (2, 5), HOPPER, r"'mxfp8' needs a GPU of compute capability 10.0 or newer \(Blackwell\).*"
+                              r"9.0; use 'tensorwise' or 'delayed'"),
+    ("mxfp8", (2, 5), BLACKWELL, None),
+    ("mxfp8", (2, 0), BLACKWELL, r"'mxfp8' needs Transformer Engine >= 2.1"),
+    ("blockwise", (2, 3), HOPPER, None),
+    ("blockwise", (2, 3), BLACKWELL, r"compute capability 9.0 to below 10.0 \(Hopper\)"),
+    ("blockwise", (2, 2), HOPPER, r">= 2.3"),
+    ("tensorwise", None, None, None),   # nothing known here: nothing to check
+    ("none", (1, 0), AMPERE, None),
+])
+def test_fp8_recipe_needs_its_te_version_and_gpu_generation(recipe, te, capability, error):
+    if error is None:
+        check_fp8(recipe, te, capability)
+    else:
+        with pytest.raises(ConfigError, match=error):
+            check_fp8(recipe, te, capability)
+
+
+def test_every_fp8_choice_of_the_config_has_a_rule():
+    import typing
+    assert set(typing.get_args(typing.get_type_hints(ModelConfig)["fp8"])) - {"none"} == set(FP8_RECIPES)
+
+
+def test_setup_py_floor_covers_every_recipe_but_the_newer_ones():
+    """setup.py's TE floor runs the default FP8 recipes (delayed, tensorwise)."""
+    text = open("setup.py").read()
+    assert '"transformer-engine[pytorch]>=2.2"' in text
+    assert max(FP8_RECIPES["tensorwise"][0], FP8_RECIPES["delayed"][0]) == (2, 2)
+
+
+def test_probe_limit_follows_the_trainer_precision():
+    cfg = RolloutConfig()
+    assert cfg.probe_threshold(fp8=False) == 0.05 and cfg.probe_threshold(fp8=True) == 0.25
+    with pytest.raises(ConfigError, match="mismatch_threshold_fp8"):
+        RolloutConfig(mismatch_threshold_fp8=0.0)
+
+
+def test_sequence_multiple_for_fp8_and_sequence_parallelism():
+    tp2 = ParallelConfig(tensor_parallel=2)
+    assert sequence_multiple(ModelConfig(), ParallelConfig()) == 1
+    assert sequence_multiple(ModelConfig(fp8="tensorwise"), tp2) == 32
+    assert sequence_multiple(ModelConfig(), ParallelConfig(tensor_parallel=2, sequence_parallel=True)) == 2
+
+
+def test_check_config_runs_the_fp8_check_here(tmp_path):
+    """On this CPU machine (no TE, no GPU) nothing is known and check-config accepts the recipe;
+    the builder then refuses FP8 without TE on a GPU (models/builder.py)."""
+    out = subprocess.run([sys.executable, "-m", "megadiv.cli", "check-config", "model.fp8=mxfp8",
+                          f"model.hf_dir={tmp_path / 'm'}", "warm_start.make_model=qwen2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "fp8: mxfp8" in out.stdout
