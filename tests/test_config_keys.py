@@ -1,5 +1,5 @@
 """No config key is accepted and then ignored: every leaf key of TrainConfig is read by megadiv's
-code outside the config dataclasses (their own validation in ``__post_init__`` does not count), or
+code outside the config dataclasses' validation (``__post_init__`` and check methods do not count), or
 its docstring says it is informational.
 
 This is a static walk of megadiv/ (attribute reads in the AST): it shows that a key reaches code
@@ -43,20 +43,27 @@ def _leaf_keys(cls: type, prefix: str = "") -> list[tuple[str, type, str]]:
     return keys
 
 
+VALIDATION = ("__post_init__", "_check", "check", "_fail", "validate")
+"""Config methods whose reads are validation, not use."""
+
+
 def _attribute_reads() -> set[str]:
-    """Attribute names read anywhere in megadiv/ outside the bodies of the config dataclasses."""
+    """Attribute names read anywhere in megadiv/ outside the validation code of the config
+    dataclasses (``__post_init__`` and check*/validate* methods)."""
     reads = set()
 
-    def visit(node, inside_config: bool):
+    def visit(node, inside_config: bool, in_config_body: bool = False):
         if isinstance(node, ast.ClassDef) and node.name in CLASSES:
             inside_config = True
+        elif in_config_body and isinstance(node, ast.FunctionDef) and not node.name.startswith(VALIDATION):
+            inside_config = False  # a config method that serves the code (e.g. RolloutConfig.probe_threshold)
         if not inside_config and isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             reads.add(node.attr)
         if not inside_config and isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" \
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
             reads.add(node.args[1].value)
         for child in ast.iter_child_nodes(node):
-            visit(child, inside_config)
+            visit(child, inside_config, isinstance(node, ast.ClassDef) and node.name in CLASSES)
 
     for path in PACKAGE.rglob("*.py"):
         if path.name != "config_docs.py":  # renders every key by reflection

@@ -54,8 +54,9 @@ ATR_ALGORITHMS = {"grpo": EXAMPLES / "gsm8k" / "algorithms" / "grpo.yaml",
 
 
 @pytest.mark.parametrize("model", QWEN3, ids=lambda p: p.stem)
-def test_atr_grpo_recipes_validate(model, checkpoint_stub):
-    cfgs = {name: load_config(TrainConfig, [ATR / "task.yaml", model, algo], [f"model.hf_dir={checkpoint_stub}"])
+def test_atr_grpo_recipes_validate(model):
+    cfgs = {name: load_config(TrainConfig, [ATR / "task.yaml", model, algo],
+                              [f"model.hf_dir={shipped_config_dir(model)}"])
             for name, algo in ATR_ALGORITHMS.items()}
     for cfg in cfgs.values():  # evaluated as the paper does, thinking off everywhere (set explicitly)
         assert (cfg.eval.data.name, [d.name for d in cfg.eval.extra_data]) == ("math500", ["aime24", "aime25"])
@@ -77,9 +78,10 @@ GBMPO = EXAMPLES / "gbmpo"
 
 
 @pytest.mark.parametrize("task", ["gsm8k", "mbpp"])
-def test_gbmpo_recipes_validate_with_the_authors_values(task, checkpoint_stub):
-    dr = load_config(TrainConfig, GBMPO / f"{task}.yaml", [f"model.hf_dir={checkpoint_stub}"])
-    l2 = load_config(TrainConfig, [GBMPO / f"{task}.yaml", GBMPO / "prob_l2.yaml"], [f"model.hf_dir={checkpoint_stub}"])
+def test_gbmpo_recipes_validate_with_the_authors_values(task):
+    hf_dir = f"model.hf_dir={shipped_config_dir(GBMPO / f'{task}.yaml')}"
+    dr = load_config(TrainConfig, GBMPO / f"{task}.yaml", [hf_dir])
+    l2 = load_config(TrainConfig, [GBMPO / f"{task}.yaml", GBMPO / "prob_l2.yaml"], [hf_dir])
     assert dr.advantage.estimator == "dr_grpo" and dr.loss.kl_coef == 0 and dr.loss.regularizer is None
     assert dr.loss.loss_agg == "seq-mean-token-sum-norm" and dr.loss.loss_norm_len == dr.rollout.max_new_tokens == 256
     assert (l2.loss.regularizer, l2.loss.regularizer_coef) == ("sampled_prob_l2", 1e-4)
@@ -93,15 +95,16 @@ def test_gbmpo_recipes_validate_with_the_authors_values(task, checkpoint_stub):
         assert (dr.optim.lr, dr.rollout.temperature, dr.rollout.top_p) == (1e-5, 0.8, 0.9)
 
 
-def test_enable_thinking_is_checked_against_the_checkpoints_template(checkpoint_stub, tmp_path):
+def test_enable_thinking_is_checked_against_the_checkpoints_template(tmp_path):
     from megadiv.config import ConfigError
 
-    args = [f"model.hf_dir={checkpoint_stub}", "data.enable_thinking=true"]
+    checkpoint = shipped_config_dir(QWEN3[0])  # a config.json and no chat template
+    args = [f"model.hf_dir={checkpoint}", "data.enable_thinking=true"]
     with pytest.raises(ConfigError, match="has no thinking mode"):
         load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]], args)
     qwen3 = tmp_path / "qwen3"
     qwen3.mkdir()
-    (qwen3 / "config.json").write_text((checkpoint_stub / "config.json").read_text())
+    (qwen3 / "config.json").write_text((checkpoint / "config.json").read_text())
     (qwen3 / "chat_template.jinja").write_text("{% if enable_thinking is defined and not enable_thinking %}{% endif %}")
     cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]],
                       [f"model.hf_dir={qwen3}", "data.enable_thinking=true"])
