@@ -169,6 +169,11 @@ class TrainConfig:
         if self.uses_vocab_regularizer and self.parallel.pipeline_parallel > 1:
             raise ConfigError(f"loss.regularizer={self.loss.regularizer} is a full-vocabulary measure: it needs the "
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
+        if self.loss.policy_loss == "divergence_clip" and issubclass(DIVERGENCES[self.loss.measure], VocabDivergence):
+            raise ConfigError(f"loss.measure={self.loss.measure} is a full-vocabulary measure: clipping on it needs "
+                              f"D(pi_theta, pi_old) over the whole vocabulary, i.e. the old policy's logits beside "
+                              f"the actor's in every micro-batch, which the trainer does not keep; use a token "
+                              f"measure ({', '.join(n for n in DIVERGENCES if not issubclass(DIVERGENCES[n], VocabDivergence))})")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
 

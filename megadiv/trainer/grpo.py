@@ -17,7 +17,7 @@ import yaml
 
 from megadiv import parallel
 from megadiv.config import ModelConfig, to_dict
-from megadiv.divergence import DIVERGENCES, compute_advantages, kl_reward_penalty
+from megadiv.divergence import compute_advantages, kl_reward_penalty
 from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.config import TrainConfig
@@ -56,6 +56,7 @@ def train(cfg: TrainConfig) -> Path:
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "eval_before": None}
         latest = checkpoint.latest_checkpoint(run_dir) if cfg.checkpoint.resume == "auto" else None
+        mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)
             if driver:
@@ -74,6 +75,8 @@ def train(cfg: TrainConfig) -> Path:
             exp = _broadcast(driver.collect(step, timer) if driver else None)  # generate, reward, advantage
             with timer("train"):
                 metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
+            if mirror_map is not None:                                          # the same h, every rank and step
+                metrics["mirror_map/fingerprint"] = checkpoint.check_mirror_map(cfg.loss, mirror_map)
             state = _guard(cfg, state, metrics, step)                           # skip / abort on NaN
             with timer("sync"):
                 sync = _sync_weights(cfg, actor, driver, probe, step)           # push weights, probe check
@@ -120,7 +123,7 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     if kl_in_reward:
         batch.advantages = _advantages_with_kl_in_reward(cfg, exp, batch, rows)
     # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
-    regularizer = DIVERGENCES[cfg.loss.regularizer](consume_base=True) if cfg.uses_vocab_regularizer else None
+    regularizer = cfg.loss.divergence(cfg.loss.regularizer, consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
     size = len(batch) // cfg.grpo.mini_batches
     steps = []
