@@ -13,6 +13,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megadiv.trainer.cli", "run GRPO training from a YAML config (torchrun for several ranks)"),
     "check-config": ("megadiv.trainer.cli_check", "validate a config with overrides and print it resolved"),
+    "es": ("megadiv.trainer.es", "evolution-strategies search of the mirror map (GBMPO), one training run per candidate"),
     "bounds": ("megadiv.divergence.cli", "ratio interval equivalent to a divergence bound delta"),
     "convert": ("megadiv.models.convert", "convert checkpoints: hf-to-megatron, megatron-to-hf"),
     "make-tiny-model": ("megadiv.models.tiny", "write a small random Hugging Face checkpoint with a tokenizer"),
