@@ -118,3 +118,23 @@ def test_es_end_to_end_killed_and_resumed(tmp_path):
     free = (p0 > 0) & (p1 > 0)
     assert free.sum() > 100
     torch.testing.assert_close(((p0 + p1) / 2)[free], MirrorMapConfig().vector()[free], rtol=0, atol=1e-17)
+
+
+def test_gbmpo_mirror_recipes_validate(tmp_path):
+    """The mirror-map overlays validate on the tiny recipe here, and on the MBPP task recipe when it
+    is present (examples/gbmpo/mbpp.yaml comes with the MBPP reproduction work)."""
+    from megadiv.config import load_config
+    from megadiv.trainer.config import TrainConfig
+
+    gbmpo = REPO / "examples" / "gbmpo"
+    cfg = load_config(TrainConfig, [REPO / "examples/tiny/grpo.yaml", gbmpo / "neural_mirror.yaml"])
+    assert cfg.loss.regularizer == "sampled_mirror" and cfg.loss.regularizer_coef == 1e-4
+    assert cfg.loss.mirror_map.seed == 42 and cfg.loss.uses_mirror_map
+    if not (gbmpo / "mbpp.yaml").is_file():
+        pytest.skip("examples/gbmpo/mbpp.yaml is not on this branch")
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                      "num_hidden_layers": 36}))
+    files = [gbmpo / "mbpp.yaml", gbmpo / "neural_mirror.yaml", gbmpo / "mirror_es.yaml"]
+    es = load_config(TrainConfig, files, [f"model.hf_dir={tmp_path}"])
+    assert es.data.split == "gbmpo_train" and es.eval.data.split == "gbmpo_validation" and es.grpo.steps == 100
+    assert es.loss.uses_mirror_map and es.advantage.estimator == "dr_grpo"

@@ -120,8 +120,9 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     kl_in_reward = cfg.loss.kl_coef > 0 and cfg.loss.kl_placement == "reward"
     if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:  # else on-policy: logp.detach()
         batch.logp_old = actor.log_probs(batch, mbs)
+    kl_metrics = {}
     if kl_in_reward:
-        batch.advantages = _advantages_with_kl_in_reward(cfg, exp, batch, rows)
+        batch.advantages, kl_metrics = _advantages_with_kl_in_reward(cfg, exp, batch, rows)
     # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
     regularizer = cfg.loss.divergence(cfg.loss.regularizer, consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
@@ -133,11 +134,12 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
                                           regularizer, reference))
     metrics = {key: sum(m[key] for m in steps) / len(steps) for key in steps[-1]}
     metrics["skipped"] = max(m["skipped"] for m in steps)
-    return metrics
+    return metrics | kl_metrics
 
 
 def _advantages_with_kl_in_reward(cfg: TrainConfig, exp: Experience, batch: SequenceBatch, rows: slice):
-    """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again. The
+    """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again (and the
+    mean penalty as a metric). The
     last pipeline stages hold the log-probs of their replica's rows; one all-reduce assembles the
     penalty of every row on every rank (each of the TP ranks of a last stage adds the same value)."""
     from megatron.core import parallel_state
@@ -148,7 +150,8 @@ def _advantages_with_kl_in_reward(cfg: TrainConfig, exp: Experience, batch: Sequ
                                           batch.loss_mask)
     dist.all_reduce(penalty)
     penalty /= parallel_state.get_tensor_model_parallel_world_size()
-    return compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
+    advantages = compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
+    return advantages, {"reward/kl_penalty_mean": float(penalty.mean())}
 
 
 def _guard(cfg: TrainConfig, state: dict, metrics: dict, step: int) -> dict:
