@@ -14,6 +14,20 @@ import torch
 from megadiv.divergence.mirror_map import MirrorMapConfig, fingerprint, save_vector
 from tests.test_trainer import CONFIG, REPO, TINY, megadiv_train, step_records
 
+def test_pinned_map_is_identical_across_ranks_and_steps_and_the_check_bites(tmp_path):
+    """Two ranks with different global RNG states build the same map (its own generator), write
+    it once, and pass the per-step check; a rank-dependent value or a map changed mid-run fails."""
+    from tests.torchrun import run_torchrun
+
+    ranks = run_torchrun("tests.dist.mirror_map:pinned_map", 2, timeout_s=300, args={"run_dir": str(tmp_path)})
+    want = fingerprint(MirrorMapConfig(seed=5).vector())
+    assert [r["pinned"] for r in ranks] == [want, want]
+    assert all(r["per_step"] == [want] * 3 for r in ranks)
+    assert all("a test value differs between ranks" in r["caught"] for r in ranks)
+    assert all("changed during the run" in r["changed"] for r in ranks)
+    assert torch.equal(saved_map(tmp_path), MirrorMapConfig(seed=5).vector())
+
+
 MIRROR = ["loss.regularizer=sampled_mirror", "loss.regularizer_coef=1e-2", "eval.every=0", "eval.samples=0",
           "grpo.steps=2"]
 
