@@ -42,7 +42,7 @@ def test_kl_in_reward_dynamic_sampling_tis_and_gspo(tmp_path):
 @pytest.mark.slow
 def test_sapo(tmp_path):
     run = tmp_path / "sapo"
-    megadiv_train(run, *COMMON, "loss.policy_loss=sapo", nproc=1)
+    megadiv_train(run, *COMMON, "loss.policy_loss=sapo", "grpo.overlong_buffer=3", nproc=1)  # signal: see above
     steps = step_records(run)
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["sapo/slope_mean"] == pytest.approx(1.0, abs=1e-12) and r["skipped"] == 0 for r in steps)
