@@ -28,8 +28,9 @@ def test_pinned_map_is_identical_across_ranks_and_steps_and_the_check_bites(tmp_
     assert torch.equal(saved_map(tmp_path), MirrorMapConfig(seed=5).vector())
 
 
+# overlong shaping: rewards that vary with the length, so the first step moves the policy off the reference
 MIRROR = ["loss.regularizer=sampled_mirror", "loss.regularizer_coef=1e-2", "eval.every=0", "eval.samples=0",
-          "grpo.steps=2"]
+          "grpo.steps=2", "grpo.mini_batches=1", "grpo.overlong_buffer=3"]
 
 
 def saved_map(run_dir) -> torch.Tensor:
@@ -49,7 +50,8 @@ def test_mirror_map_is_pinned_per_run(tmp_path):
         steps = step_records(run)
         assert [r["step"] for r in steps] == [1, 2]
         assert all(r["mirror_map/fingerprint"] == fingerprint(saved_map(run)) for r in steps)
-        assert all(r["loss/regularizer"] > 0 for r in steps)
+        # D_h(pi || pi_ref) is exactly 0 while pi = pi_ref (step 1), then positive
+        assert steps[0]["loss/regularizer"] == 0.0 and steps[1]["loss/regularizer"] > 0
 
     # params=F: the run writes F's values
     f = torch.rand(380, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) * 0.05
