@@ -30,12 +30,16 @@ CONFIG = REPO / "examples" / "tiny" / "grpo.yaml"
 # Authors' loss (methods.md section 2); L = rollout.max_new_tokens of the tiny task (4).
 DR_GRPO = ["advantage.estimator=dr_grpo", "loss.policy_loss=clip", "loss.eps_low=0.2", "loss.eps_high=0.2",
            "loss.kl_coef=0.0", "loss.loss_agg=seq-mean-token-sum-norm", "loss.loss_norm_len=4"]
-METHODS = {
-    "Dr. GRPO": DR_GRPO,
-    "ProbL2": DR_GRPO + ["loss.regularizer=sampled_prob_l2", "loss.regularizer_coef=1e-4"],
-    "neural mirror map": DR_GRPO + ["loss.regularizer=sampled_mirror", "loss.regularizer_coef=1e-4",
-                                    "loss.mirror_map.seed=42"],
-}
+
+
+def methods(coef: float) -> dict[str, list[str]]:
+    """The three rows; ``coef`` is the regulariser weight (the authors': 1e-4)."""
+    return {"Dr. GRPO": DR_GRPO,
+            "ProbL2": DR_GRPO + ["loss.regularizer=sampled_prob_l2", f"loss.regularizer_coef={coef}"],
+            "neural mirror map": DR_GRPO + ["loss.regularizer=sampled_mirror", f"loss.regularizer_coef={coef}",
+                                            "loss.mirror_map.seed=42"]}
+
+
 # Ours: one process, fewer steps than the demo (200), held-out greedy accuracy only.
 COMMON = ["parallel.tensor_parallel=1", "eval.every=0", "eval.samples=0", "checkpoint.every=0",
           "checkpoint.export_hf=false", "grpo.check_mismatch_every=0"]
@@ -68,28 +72,31 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=40, help="GRPO steps per run (ours; the demo runs 200)")
     parser.add_argument("--sft-steps", type=int, default=150, help="warm-start steps per seed (ours; the demo: 250)")
+    parser.add_argument("--coef", type=float, default=1e-4, help="regulariser weight (the authors': 1e-4)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {m: [] for m in METHODS}
+    rows = methods(args.coef)
+    tag = "" if args.coef == 1e-4 else f"-coef{args.coef:g}"      # other weights: other run directories
+    results: dict[str, list[dict]] = {m: [] for m in rows}
     for seed in args.seeds:
         print(f"seed {seed}", flush=True)
         base = f"seed{seed}-dr_grpo"
-        for k, (method, overrides) in enumerate(METHODS.items()):
-            name = base if k == 0 else f"seed{seed}-{method.split()[-1].lower()}"
+        for k, (method, overrides) in enumerate(rows.items()):
+            name = base if k == 0 else f"seed{seed}-{method.split()[-1].lower()}{tag}"
             start = ([f"model.hf_dir={out}/seed{seed}-init", f"run.seed={seed}", f"warm_start.sft_steps={args.sft_steps}"]
                      if k == 0 else
                      [f"model.hf_dir={out / base / 'sft'}", "warm_start.make_model=none", "warm_start.sft_steps=0",
                       f"run.seed={seed}"])
             results[method].append(train(out, name, [*start, f"grpo.steps={args.steps}", *overrides]))
     table = render(results, args)
-    (out / "table.md").write_text(table)
+    (out / f"table{tag}.md").write_text(table)
     print(table)
     return 0
 
 
 def render(results: dict[str, list[dict]], args) -> str:
-    lines = [f"warm start: {args.sft_steps} steps, GRPO steps: {args.steps}, seeds: {' '.join(map(str, args.seeds))}; held-out greedy accuracy "
+    lines = [f"regulariser weight {args.coef:g}; warm start: {args.sft_steps} steps, GRPO steps: {args.steps}, seeds: {' '.join(map(str, args.seeds))}; held-out greedy accuracy "
              f"(200 problems) before -> after", "",
              "| method | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean gain | last regulariser |",
              "|---|" + "---|" * (len(args.seeds) + 2)]
