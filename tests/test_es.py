@@ -138,3 +138,27 @@ def test_gbmpo_mirror_recipes_validate(tmp_path):
     es = load_config(TrainConfig, files, [f"model.hf_dir={tmp_path}"])
     assert es.data.split == "gbmpo_train" and es.eval.data.split == "gbmpo_validation" and es.grpo.steps == 100
     assert es.loss.uses_mirror_map and es.advantage.estimator == "dr_grpo"
+
+
+def test_slurm_array_script_runs_each_candidate(tmp_path, monkeypatch):
+    """--launcher slurm: one array over the untrained candidates, submitted with sbatch --wait and the
+    user's options; each task index runs exactly its candidate's command (sbatch stubbed on PATH)."""
+    from megadiv.trainer.es import submit_slurm_array
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sbatch_args\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "es"
+    commands = {1: ["sh", "-c", f"echo one > {tmp_path}/ran1"], 3: ["sh", "-c", f"echo 'three x' > {tmp_path}/ran3"]}
+    submit_slurm_array(out, 2, commands, "-p gpu --gres=gpu:8")
+    script = out / "slurm" / "generation_002.sbatch"
+    assert (tmp_path / "sbatch_args").read_text().split() == ["--wait", "-p", "gpu", "--gres=gpu:8", str(script)]
+    text = script.read_text()
+    assert "#SBATCH --array=1,3" in text and f"#SBATCH --output={out / 'runs'}/g002-c%3a.log" in text
+    for task, want in ((1, "one"), (3, "three x")):
+        subprocess.run(["bash", str(script)], env={**os.environ, "SLURM_ARRAY_TASK_ID": str(task)}, check=True,
+                       timeout=30)
+        assert (tmp_path / f"ran{task}").read_text().strip() == want
+    assert not (tmp_path / "ran0").exists()
