@@ -81,7 +81,7 @@ class PolicyLossConfig:
     kl_placement: Literal["loss", "reward"] = "loss"
     """loss: added here; reward: the trainer subtracts penalties.kl_reward_penalty from the rewards."""
     regularizer: str | None = None
-    """Divergence D(pi_theta, pi_ref) added to the loss (GBMPO): sampled_prob_l2, or a full-vocabulary
+    """Divergence D(pi_theta, pi_ref) added to the loss (GBMPO): sampled_prob_l2, sampled_mirror, or a full-vocabulary
     measure whose per-token values the caller passes as ``vocab_divergence``."""
     regularizer_coef: float = 0.0
     """Weight of the regulariser (GBMPO's ProbL2: 1e-4)."""
@@ -139,7 +139,6 @@ class PolicyLossConfig:
             fail("loss_norm_len", "must be > 0 (or None)")
         if self.tis_cap is not None and not self.tis_cap >= 1:
             fail("tis_cap", "must be >= 1 (or None)")
-
 
     @property
     def uses_mirror_map(self) -> bool:
