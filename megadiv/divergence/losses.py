@@ -81,8 +81,8 @@ class PolicyLossConfig:
     kl_placement: Literal["loss", "reward"] = "loss"
     """loss: added here; reward: the trainer subtracts penalties.kl_reward_penalty from the rewards."""
     regularizer: str | None = None
-    """Divergence D(pi_theta, pi_ref) added to the loss (GBMPO): sampled_prob_l2, sampled_mirror, or a full-vocabulary
-    measure whose per-token values the caller passes as ``vocab_divergence``."""
+    """Divergence D(pi_theta, pi_ref) added to the loss (GBMPO): sampled_prob_l2, sampled_mirror, or a
+    full-vocabulary measure whose per-token values the caller passes as ``vocab_divergence``."""
     regularizer_coef: float = 0.0
     """Weight of the regulariser (GBMPO's ProbL2: 1e-4)."""
     mirror_map: MirrorMapConfig = field(default_factory=MirrorMapConfig)
