@@ -84,8 +84,8 @@ def main() -> int:
         base = f"seed{seed}-dr_grpo"
         for k, (method, overrides) in enumerate(rows.items()):
             name = base if k == 0 else f"seed{seed}-{method.split()[-1].lower()}{tag}"
-            start = ([f"model.hf_dir={out}/seed{seed}-init", f"run.seed={seed}", f"warm_start.sft_steps={args.sft_steps}"]
-                     if k == 0 else
+            start = ([f"model.hf_dir={out}/seed{seed}-init", f"run.seed={seed}",
+                      f"warm_start.sft_steps={args.sft_steps}"] if k == 0 else
                      [f"model.hf_dir={out / base / 'sft'}", "warm_start.make_model=none", "warm_start.sft_steps=0",
                       f"run.seed={seed}"])
             results[method].append(train(out, name, [*start, f"grpo.steps={args.steps}", *overrides]))
@@ -96,7 +96,9 @@ def main() -> int:
 
 
 def render(results: dict[str, list[dict]], args) -> str:
-    lines = [f"regulariser weight {args.coef:g}; warm start: {args.sft_steps} steps, GRPO steps: {args.steps}, seeds: {' '.join(map(str, args.seeds))}; held-out greedy accuracy "
+    seeds = " ".join(map(str, args.seeds))
+    lines = [f"regulariser weight {args.coef:g}; warm start: {args.sft_steps} steps, GRPO steps: {args.steps}, "
+             f"seeds: {seeds}; held-out greedy accuracy "
              f"(200 problems) before -> after", "",
              "| method | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean gain | last regulariser |",
              "|---|" + "---|" * (len(args.seeds) + 2)]

@@ -110,7 +110,8 @@ def test_es_end_to_end_killed_and_resumed(tmp_path):
     assert (tmp_path / "es" / "es.png").stat().st_size > 0
     # every candidate trained with exactly its params file (mirror_map.json in its run directory)
     for r in records:
-        assert json.loads(Path(r["run_dir"], "mirror_map.json").read_text()) == json.loads(Path(r["params"]).read_text())
+        used = json.loads(Path(r["run_dir"], "mirror_map.json").read_text())
+        assert used == json.loads(Path(r["params"]).read_text())
     # antithetic: the two candidates of generation 0 sit symmetrically about the starting centre
     # (loss.mirror_map's seed-42 map) wherever the projection onto the orthant left them alone
     from megadiv.divergence.mirror_map import MirrorMapConfig

@@ -23,7 +23,8 @@ from typing import Literal
 
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, check_model_parallel
 from megadiv.data import DataConfig
-from megadiv.divergence import DIVERGENCES, AdvantageConfig, PolicyLossConfig, VocabDivergence
+from megadiv.divergence import (DIVERGENCES, AdvantageConfig, PolicyLossConfig, TokenDivergence, VocabDivergence,
+                                names_of_kind)
 from megadiv.rewards import RewardConfig
 from megadiv.rollout import RolloutConfig
 
@@ -173,7 +174,7 @@ class TrainConfig:
             raise ConfigError(f"loss.measure={self.loss.measure} is a full-vocabulary measure: clipping on it needs "
                               f"D(pi_theta, pi_old) over the whole vocabulary, i.e. the old policy's logits beside "
                               f"the actor's in every micro-batch, which the trainer does not keep; use a token "
-                              f"measure ({', '.join(n for n in DIVERGENCES if not issubclass(DIVERGENCES[n], VocabDivergence))})")
+                              f"measure ({', '.join(names_of_kind(TokenDivergence))})")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
 
