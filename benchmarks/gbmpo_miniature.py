@@ -5,9 +5,11 @@ mirror map (sampled_mirror, random init), on the tiny adder of examples/tiny, ov
 
 Per seed, one warm start (``--sft-steps`` supervised steps; the demo uses 250) is shared by the
 three methods, so they differ only in the loss. Each method then runs ``--steps`` GRPO steps of
-64 prompts x 8 samples on one process (TP=1). Finished runs are reused when the script is run again (resumable); the
-table (held-out greedy accuracy on 200 problems before -> after, and the regulariser's last value)
-is printed as Markdown and written to OUT/table.md.
+64 prompts x 8 samples on one process (TP=1). Finished runs are reused when the script is run again (resumable). The
+table gives the held-out greedy accuracy on 500 problems before -> after per seed, and means over
+seeds of the gain, of the regulariser's last value and of the k3 estimate of KL to the reference
+at the last step; it is printed as Markdown and written to OUT/table.md (OUT/table-coefC.md for
+another ``--coef``).
 
 The loss settings are the authors' (Dr. GRPO advantages, PPO clip 0.2, sum / (B * L) with L the
 4-token completion limit, no KL, regulariser coefficient 1e-4); the task, model, step count and
@@ -63,6 +65,7 @@ def train(out: Path, name: str, overrides: list[str]) -> dict:
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in last if "loss/total" in r]
     result["regularizer_last"] = steps[-1].get("loss/regularizer") if steps else None
+    result["ref_k3_last"] = steps[-1].get("ref/k3") if steps else None      # k3 estimate of KL to pi_ref
     return result
 
 
@@ -99,15 +102,18 @@ def render(results: dict[str, list[dict]], args) -> str:
     seeds = " ".join(map(str, args.seeds))
     lines = [f"regulariser weight {args.coef:g}; warm start: {args.sft_steps} steps, GRPO steps: {args.steps}, "
              f"seeds: {seeds}; held-out greedy accuracy "
-             f"(200 problems) before -> after", "",
-             "| method | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean gain | last regulariser |",
-             "|---|" + "---|" * (len(args.seeds) + 2)]
+             f"(500 problems) before -> after", "",
+             "| method | " + " | ".join(f"seed {s}" for s in args.seeds)
+             + " | mean gain | last regulariser | last KL to reference (k3) |",
+             "|---|" + "---|" * (len(args.seeds) + 3)]
     for method, runs in results.items():
         cells = [f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}" for r in runs]
         gain = statistics.mean(r["accuracy_after"] - r["accuracy_before"] for r in runs)
         regs = [r["regularizer_last"] for r in runs if r["regularizer_last"] is not None]
         reg = f"{statistics.mean(regs):.2e}" if regs else "-"
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {gain:+.3f} | {reg} |")
+        kls = [r["ref_k3_last"] for r in runs if r["ref_k3_last"] is not None]
+        kl = f"{statistics.mean(kls):.3f}" if kls else "- (no reference model)"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {gain:+.3f} | {reg} | {kl} |")
     return "\n".join(lines) + "\n"
 
 
