@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("megadiv.evaluation_cli", "evaluate a checkpoint on benchmark splits: pass@1, avg@k, pass@k"),
     "check-config": ("megadiv.trainer.cli_check", "validate a config with overrides and print it resolved"),
     "plan": ("megadiv.trainer.cli_plan", "per-GPU memory of a config at its layout, and the smallest TP x PP that fits"),
+    "es": ("megadiv.trainer.es", "evolution-strategies search of the mirror map (GBMPO), one training run per candidate"),
     "bounds": ("megadiv.divergence.cli", "ratio interval equivalent to a divergence bound delta"),
     "convert": ("megadiv.models.convert", "convert checkpoints: hf-to-megatron, megatron-to-hf"),
     "make-tiny-model": ("megadiv.models.tiny", "write a small random Hugging Face checkpoint with a tokenizer"),

@@ -73,6 +73,11 @@ def test_bad_keys_and_values_are_named(override, message):
     (["rollout.top_p=0"], "rollout.top_p must lie in"),
     (["loss.regularizer=full_prob_l2", "loss.regularizer_coef=1e-4", "parallel.pipeline_parallel=2"],
      "supports parallel.pipeline_parallel=1 only"),
+    # a full-vocabulary clip measure would need pi_old's logits in the loop: refused with the reason
+    *[(["loss.policy_loss=divergence_clip", f"loss.measure={m}"], f"loss.measure={m} is a full-vocabulary measure")
+      for m in ("full_kl", "full_prob_l2", "full_mirror")],
+    (["loss.mirror_map.seed=3"], "mirror_map is set but neither regularizer nor"),
+    (["loss.regularizer=sampled_mirror", "loss.mirror_map.params=/nonexistent.json"], "no file /nonexistent.json"),
 ])
 def test_impossible_combinations_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,6 +1,6 @@
 """megadiv's divergence library: pure torch (plus an optional process group), nothing else from megadiv.
 
-    measures      per-token divergences (ratio, k1, k2, k3, reverse_k3, sampled_prob_l2), registered
+    measures      per-token divergences (ratio, k1, k2, k3, reverse_k3, sampled_prob_l2, sampled_mirror), registered
     bounds        ratio_bounds(measure, delta): the exact ratio interval of D <= delta, and back
     clipping      the unified clipping rule
     losses        PolicyLossConfig + compute_policy_loss: surrogates, KL, regularisers, TIS, aggregation
@@ -8,7 +8,7 @@
     metrics       per-step statistics
     vocab_parallel  log-probs, entropy and separable divergences from vocab-sharded logits
     full_vocab    full-distribution measures (full_kl, full_prob_l2, full_mirror), registered
-    mirror_map    the neural mirror map of GBMPO
+    mirror_map    the neural mirror map of GBMPO and its run config (loss.mirror_map)
 
 The mathematics is in docs/divergences.md and docs/vocab_parallel.md.
 """

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from megadiv.divergence.mirror_map import NEURONS_PER_GROUP, PROB_FLOOR, NeuralMirrorMap
+from megadiv.divergence.mirror_map import (NEURONS_PER_GROUP, PROB_FLOOR, MirrorMapConfig, NeuralMirrorMap,
+                                           as_mirror_map)
 from megadiv.divergence.registry import VocabDivergence, register_divergence
 from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, separable_divergence
 
@@ -81,11 +82,12 @@ class FullMirrorBregman(SeparableVocabDivergence):
     """
 
     tile_elements = CHUNK_ELEMENTS // NEURONS_PER_GROUP
+    uses_mirror_map = True
 
-    def __init__(self, mirror_map: NeuralMirrorMap | None = None, chunk_size: int | None = None,
+    def __init__(self, mirror_map: NeuralMirrorMap | MirrorMapConfig | None = None, chunk_size: int | None = None,
                  consume_base: bool = False):
         super().__init__(chunk_size, consume_base)
-        self.mirror_map = mirror_map if mirror_map is not None else NeuralMirrorMap()
+        self.mirror_map = as_mirror_map(mirror_map)
 
     def pointwise(self, a, b, p, q, grad, base_grad):
         p_c, q_c = p.clamp_min(PROB_FLOOR), q.clamp_min(PROB_FLOOR)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from megadiv.divergence.bounds import ratio_bounds
 from megadiv.divergence.clipping import Clipped, clip_surrogate
 from megadiv.divergence.metrics import masked_mean, policy_metrics
+from megadiv.divergence.mirror_map import MirrorMapConfig
 from megadiv.divergence.penalties import kl_penalty
 from megadiv.divergence.registry import DIVERGENCES, RatioDivergence, VocabDivergence
 
@@ -80,10 +81,12 @@ class PolicyLossConfig:
     kl_placement: Literal["loss", "reward"] = "loss"
     """loss: added here; reward: the trainer subtracts penalties.kl_reward_penalty from the rewards."""
     regularizer: str | None = None
-    """Divergence D(pi_theta, pi_ref) added to the loss (GBMPO): sampled_prob_l2, or a full-vocabulary
-    measure whose per-token values the caller passes as ``vocab_divergence``."""
+    """Divergence D(pi_theta, pi_ref) added to the loss (GBMPO): sampled_prob_l2, sampled_mirror, or a
+    full-vocabulary measure whose per-token values the caller passes as ``vocab_divergence``."""
     regularizer_coef: float = 0.0
     """Weight of the regulariser (GBMPO's ProbL2: 1e-4)."""
+    mirror_map: MirrorMapConfig = field(default_factory=MirrorMapConfig)
+    """The neural mirror map h of sampled_mirror / full_mirror (regularizer or measure), fixed for the run."""
     loss_agg: LossAggregation = "token-mean"
     """How per-token losses become one number (see aggregate_loss)."""
     loss_norm_len: int | None = None
@@ -125,6 +128,9 @@ class PolicyLossConfig:
             fail("regularizer", f"must be None or a registered divergence {sorted(DIVERGENCES)}")
         if not self.regularizer_coef >= 0:
             fail("regularizer_coef", "must be >= 0")
+        if self.mirror_map != MirrorMapConfig() and not self.uses_mirror_map:
+            fail("mirror_map", "is set but neither regularizer nor the divergence_clip measure is a mirror-map "
+                               "measure (sampled_mirror, full_mirror)")
         if self.regularizer_coef > 0 and self.regularizer is None:
             fail("regularizer_coef", "is set but regularizer is None")
         if self.loss_agg not in typing.get_args(LossAggregation):
@@ -133,6 +139,17 @@ class PolicyLossConfig:
             fail("loss_norm_len", "must be > 0 (or None)")
         if self.tis_cap is not None and not self.tis_cap >= 1:
             fail("tis_cap", "must be >= 1 (or None)")
+
+    @property
+    def uses_mirror_map(self) -> bool:
+        names = [self.regularizer] + ([self.measure] if self.policy_loss == "divergence_clip" else [])
+        return any(n is not None and DIVERGENCES[n].uses_mirror_map for n in names)
+
+    def divergence(self, name: str, **kwargs):
+        """The registered measure ``name``, given this config's mirror map when it takes one."""
+        if DIVERGENCES[name].uses_mirror_map:
+            kwargs["mirror_map"] = self.mirror_map
+        return DIVERGENCES[name](**kwargs)
 
 
 def compute_policy_loss(cfg: PolicyLossConfig, logp: torch.Tensor, logp_old: torch.Tensor,
@@ -193,7 +210,7 @@ def compute_policy_loss(cfg: PolicyLossConfig, logp: torch.Tensor, logp_old: tor
                              f"per-token values as vocab_divergence")
         if not is_vocab and logp_ref is None:
             raise ValueError(f"regularizer '{cfg.regularizer}' needs logp_ref")
-        reg_tok = vocab_divergence if is_vocab else DIVERGENCES[cfg.regularizer]()(logp, logp_ref)
+        reg_tok = vocab_divergence if is_vocab else cfg.divergence(cfg.regularizer)(logp, logp_ref)
         reg = aggregate_loss(reg_tok, mask, **agg)
         loss = loss + cfg.regularizer_coef * reg
         metrics["loss/regularizer"] = reg.detach()
@@ -280,7 +297,7 @@ def divergence_clip_loss(cfg, logp, logp_old, adv, mask, clip_divergence=None):
                              f"per token as clip_divergence")
         div = clip_divergence.detach()
     else:
-        div = measure()(logp.detach(), logp_old)  # [B, T], only compared with delta: no gradient
+        div = cfg.divergence(cfg.measure)(logp.detach(), logp_old)  # [B, T], only compared with delta: no gradient
     outside = torch.where(w.detach() > 1, div > delta_high, div > cfg.delta)
     if issubclass(measure, RatioDivergence):  # the region is a ratio interval: clipped value at its edge
         w_low, w_high = ratio_bounds(cfg.measure, cfg.delta)[0], ratio_bounds(cfg.measure, delta_high)[1]

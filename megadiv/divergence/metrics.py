@@ -34,8 +34,9 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def divergence_means(prefix: str, logp: torch.Tensor, logp_base: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{prefix}/{name}``: masked mean of D(logp, logp_base) for every registered token measure
-    (stacked, so one reduction serves them all)."""
-    names = names_of_kind(TokenDivergence)
+    without parameters (stacked, so one reduction serves them all); a mirror-map measure depends on
+    the run's map and is logged as the loss term it is (loss/regularizer)."""
+    names = [n for n in names_of_kind(TokenDivergence) if not DIVERGENCES[n].uses_mirror_map]
     values = torch.stack([DIVERGENCES[name]()(logp, logp_base) for name in names])  # [measures, B, T]
     means = (values * mask).flatten(1).sum(-1) / mask.sum().clamp(min=torch.finfo(mask.dtype).tiny)
     return {f"{prefix}/{name}": mean for name, mean in zip(names, means.unbind())}

@@ -20,12 +20,21 @@ Written in closed form without the division by w (exact at w = 0, no cancellatio
     e^x             m = e^b expm1(u - b) / (u - b)
 
 h is convex when all parameters are nonnegative: then u >= 0 for y > 0, every act_j is
-nondecreasing there, and h'' >= 0 term by term. The parameters are therefore kept in the
-nonnegative orthant (``from_vector`` projects onto it), which is also where the closed forms above
-hold (the x_+ of sqrt, cbrt and log never clips). The Bregman divergence is
+nondecreasing there, and h'' >= 0 term by term. The parameters must lie in that orthant
+(``from_vector`` refuses anything else rather than projecting it silently), which is also where
+the closed forms above hold (the x_+ of sqrt, cbrt and log never clips). The Bregman divergence is
 D(p || q) = h(p) - h(q) - h'(q) (p - q), with probabilities clamped at 1e-10 (log y, c / y).
+
+A run's map is fixed: :class:`MirrorMapConfig` (``loss.mirror_map``) builds it from its own seeded
+generator (``rand * 0.01``, the authors' init) or loads a 380-vector from a file, so that every
+rank, every step and a resumed run use the same h.
 """
 from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,6 +44,7 @@ NEURONS_PER_GROUP = 21
 LOG_EPS = 1e-3
 PROB_FLOOR = 1e-10
 NUM_PARAMETERS = 3 * len(GROUPS) * NEURONS_PER_GROUP + 2      # v, w, b per neuron; a; c = 380
+INIT_SCALE = 0.01                                              # the authors' init: rand * 0.01
 
 
 def _over(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -103,7 +113,7 @@ class NeuralMirrorMap(nn.Module):
     ``v``, ``w``, ``b``: [6, 21] (group-major, groups in ``GROUPS`` order); ``a``, ``c``: scalars.
     """
 
-    def __init__(self, init_scale: float = 0.01, generator: torch.Generator | None = None):
+    def __init__(self, init_scale: float = INIT_SCALE, generator: torch.Generator | None = None):
         super().__init__()
         shape = (len(GROUPS), NEURONS_PER_GROUP)
 
@@ -119,12 +129,8 @@ class NeuralMirrorMap(nn.Module):
                           self.a.reshape(1), self.c.reshape(1)]).detach().clone()
 
     def from_vector(self, vec: torch.Tensor) -> "NeuralMirrorMap":
-        """Set all parameters from a [380] vector (``to_vector`` order), projected onto the
-        nonnegative orthant (negative entries become 0) so that h stays convex."""
-        vec = torch.as_tensor(vec, dtype=torch.float64).flatten()
-        if vec.numel() != NUM_PARAMETERS:
-            raise ValueError(f"expected {NUM_PARAMETERS} parameters, got {vec.numel()}")
-        vec = vec.clamp_min(0)
+        """Set all parameters from a [380] vector (``to_vector`` order); see ``check_vector``."""
+        vec = check_vector(vec)
         n = self.v.numel()
         with torch.no_grad():
             for i, p in enumerate((self.v, self.w, self.b)):
@@ -169,3 +175,92 @@ class NeuralMirrorMap(nn.Module):
         p, q = p.clamp_min(PROB_FLOOR), q.clamp_min(PROB_FLOOR)
         h_q, slope_q, _ = self.terms(q, curvature=False)
         return self.h(p) - h_q - slope_q * (p - q)
+
+
+def check_vector(vec, source: str = "mirror map") -> torch.Tensor:
+    """``vec`` as a [380] float64 tensor, or ValueError: wrong length, a non-finite entry, or a
+    negative one (h would not be convex, D_h not a divergence; nothing is projected silently)."""
+    vec = torch.as_tensor(vec, dtype=torch.float64).flatten()
+    if vec.numel() != NUM_PARAMETERS:
+        raise ValueError(f"{source}: expected {NUM_PARAMETERS} parameters (v, w, b, a, c), got {vec.numel()}")
+    if not torch.isfinite(vec).all():
+        raise ValueError(f"{source}: non-finite parameters at indices {_indices(~torch.isfinite(vec))}")
+    if (vec < 0).any():
+        raise ValueError(f"{source}: negative parameters at indices {_indices(vec < 0)} (min {float(vec.min()):.3g}); "
+                         f"h is convex only for v, w, b, a, c >= 0")
+    return vec
+
+
+def _indices(flags: torch.Tensor) -> str:
+    idx = flags.nonzero().flatten().tolist()
+    return f"{idx[:8]}{' ...' if len(idx) > 8 else ''} ({len(idx)} in all)"
+
+
+def load_vector(path: str | Path) -> torch.Tensor:
+    """The checked [380] vector in file ``path``: a JSON list of numbers (``mirror_map.json``) or a
+    torch file holding a tensor or list."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"mirror map parameters: no file {path}")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from e
+    else:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(data, dict) or not isinstance(data, (list, tuple, torch.Tensor)):
+        raise ValueError(f"{path}: expected a list of {NUM_PARAMETERS} numbers, got {type(data).__name__}")
+    try:
+        vec = torch.as_tensor(data, dtype=torch.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: expected a list of {NUM_PARAMETERS} numbers ({e})") from e
+    return check_vector(vec, str(path))
+
+
+def save_vector(vec: torch.Tensor, path: str | Path) -> None:
+    """Write a [380] vector as a JSON list; Python's float repr round-trips float64 exactly."""
+    Path(path).write_text(json.dumps([float(x) for x in check_vector(vec)]) + "\n")
+
+
+def fingerprint(vec: torch.Tensor) -> float:
+    """One float64 that differs between maps that differ (a position-weighted sum): for checking
+    that ranks or steps agree without moving 380 numbers."""
+    vec = torch.as_tensor(vec, dtype=torch.float64)
+    return float((vec * torch.arange(1, vec.numel() + 1, dtype=torch.float64).sqrt()).sum())
+
+
+@dataclass(frozen=True)
+class MirrorMapConfig:
+    """The neural mirror map of ``sampled_mirror`` / ``full_mirror`` (GBMPO), fixed for the run."""
+
+    seed: int = 42
+    """Seed of the map's own generator (never the global RNG): v, w, b, a, c = rand * 0.01 (the
+    authors' init and default seed)."""
+    params: str | None = None
+    """A file with the 380 parameters in NeuralMirrorMap.to_vector() order (v, w, b, a, c): a JSON
+    list (e.g. a run's mirror_map.json) or a torch file; overrides seed. All must be >= 0."""
+
+    def __post_init__(self):
+        if self.params is not None:
+            load_vector(self.params)  # unreadable, wrong length or non-convex: fail at check-config
+
+    def vector(self) -> torch.Tensor:
+        """The [380] float64 parameters (identical on every rank and process)."""
+        return build_mirror_map(self).to_vector()
+
+
+@functools.lru_cache(maxsize=8)
+def build_mirror_map(cfg: MirrorMapConfig) -> NeuralMirrorMap:
+    """The map of ``cfg``, built once per process (the config is frozen, so the cache is exact)."""
+    if cfg.params is not None:
+        return NeuralMirrorMap().from_vector(load_vector(cfg.params))
+    return NeuralMirrorMap(generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def as_mirror_map(spec: "NeuralMirrorMap | MirrorMapConfig | None") -> NeuralMirrorMap:
+    """A measure's ``mirror_map`` argument: a map, a config to build one from, or None (the
+    default config, seed 42)."""
+    if isinstance(spec, NeuralMirrorMap):
+        return spec
+    return build_mirror_map(spec if spec is not None else MirrorMapConfig())

@@ -56,6 +56,8 @@ class TokenDivergence(nn.Module):
     """Per-token measure from the sampled token's log-probs: ``[...] x [...] -> [...]``."""
 
     name: str = ""
+    uses_mirror_map: bool = False
+    """Whether the constructor takes ``mirror_map`` (GBMPO's neural mirror map; loss.mirror_map)."""
 
     def forward(self, logp: torch.Tensor, logp_base: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -95,6 +97,8 @@ class VocabDivergence(nn.Module):
     """Per-token measure over the full next-token distribution, from vocab-parallel logit shards."""
 
     name: str = ""
+    uses_mirror_map: bool = False
+    """Whether the constructor takes ``mirror_map`` (GBMPO's neural mirror map; loss.mirror_map)."""
 
     def forward(self, logits: torch.Tensor, logits_base: torch.Tensor, group=None,
                 vocab_start: int = 0, vocab_size: int | None = None) -> torch.Tensor:

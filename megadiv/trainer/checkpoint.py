@@ -3,6 +3,7 @@
     run_dir/checkpoints/step_000040/   megatron dist_checkpointing (model + optimizer, sharded) +
                                        common.pt (schedule, trainer state) + rng_<rank>.pt
     run_dir/checkpoints/latest         the newest complete checkpoint's directory name
+    run_dir/mirror_map.json            the run's neural mirror map (380 floats), when a loss term uses one
 
 A save writes ``step_N.partial`` and renames it once every rank has finished, then moves
 ``latest``; a crash mid-save leaves the previous checkpoint as the newest complete one. Only
@@ -17,6 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megadiv.config import ConfigError
+from megadiv.divergence.losses import PolicyLossConfig
+from megadiv.divergence.mirror_map import fingerprint, load_vector, save_vector
 from megadiv.models.checkpoint import sharded_state_dict
 from megadiv.trainer.policy import Policy
 
@@ -36,6 +40,42 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = checkpoint_root(run_dir) / pointer.read_text().strip()
     return path if path.is_dir() else None
+
+
+def fix_mirror_map(loss: PolicyLossConfig, run_dir: Path, resuming: bool) -> float | None:
+    """Pin the run's mirror map (collective): write ``mirror_map.json`` on a fresh run; on a resumed
+    run the saved map must be the configured one bit for bit (a resumed run never changes its
+    regulariser). Checks that every rank built the same map; returns its fingerprint (None when no
+    loss term uses a mirror map)."""
+    if not loss.uses_mirror_map:
+        return None
+    vec = loss.mirror_map.vector()
+    path = run_dir / "mirror_map.json"
+    if resuming and path.is_file() and not torch.equal(load_vector(path), vec):
+        raise ConfigError(f"{path} (this run's mirror map) differs from loss.mirror_map={loss.mirror_map}; a "
+                          f"resumed run keeps its map: set loss.mirror_map.params={path} or start a new run.name")
+    if dist.get_rank() == 0 and not (resuming and path.is_file()):
+        save_vector(vec, path)
+    check_same_on_all_ranks(fingerprint(vec), "the mirror map")
+    return fingerprint(vec)
+
+
+def check_mirror_map(loss: PolicyLossConfig, pinned: float) -> float:
+    """The fingerprint of the map the loss uses now, checked against the pinned one and across
+    ranks (collective; a 380-float sum and one all-reduce per step)."""
+    now = fingerprint(loss.mirror_map.vector())
+    if now != pinned:
+        raise RuntimeError(f"the mirror map changed during the run (fingerprint {pinned!r} -> {now!r})")
+    check_same_on_all_ranks(now, "the mirror map")
+    return now
+
+
+def check_same_on_all_ranks(value: float, what: str) -> None:
+    """Raise unless ``value`` is bit-identical on every rank (one all-reduce of max and -min)."""
+    both = torch.tensor([value, -value], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if both[0] != -both[1]:
+        raise RuntimeError(f"{what} differs between ranks (values from {-float(both[1])!r} to {float(both[0])!r})")
 
 
 def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict, keep_last: int) -> Path:

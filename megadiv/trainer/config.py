@@ -25,7 +25,8 @@ from typing import Literal
 
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, check_model_parallel
 from megadiv.data import DataConfig
-from megadiv.divergence import DIVERGENCES, AdvantageConfig, PolicyLossConfig, VocabDivergence
+from megadiv.divergence import (DIVERGENCES, AdvantageConfig, PolicyLossConfig, TokenDivergence, VocabDivergence,
+                                names_of_kind)
 from megadiv.rewards import RewardConfig
 from megadiv.rollout import RolloutConfig
 
@@ -175,6 +176,11 @@ class TrainConfig:
         if self.uses_vocab_regularizer and self.parallel.pipeline_parallel > 1:
             raise ConfigError(f"loss.regularizer={self.loss.regularizer} is a full-vocabulary measure: it needs the "
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
+        if self.loss.policy_loss == "divergence_clip" and issubclass(DIVERGENCES[self.loss.measure], VocabDivergence):
+            raise ConfigError(f"loss.measure={self.loss.measure} is a full-vocabulary measure: clipping on it needs "
+                              f"D(pi_theta, pi_old) over the whole vocabulary, i.e. the old policy's logits beside "
+                              f"the actor's in every micro-batch, which the trainer does not keep; use a token "
+                              f"measure ({', '.join(names_of_kind(TokenDivergence))})")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
         thinking = [d for d in (self.data, self.eval.data, *self.eval.extra_data) if d and d.enable_thinking]

@@ -48,14 +48,21 @@ def render() -> str:
         lines += [f"## `{section.name}` ({cls.__module__}.{cls.__name__})", ""]
         if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
             lines += [" ".join(cls.__doc__.split()), ""]
-        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        docs, field_types = attribute_docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            meaning = docs.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{section.name}.{f.name}` | `{_type_name(field_types[f.name])}` | "
-                         f"`{_default(f)}` | {meaning} |")
-        lines.append("")
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|", *_rows(section.name, cls), ""]
     return "\n".join(lines)
+
+
+def _rows(prefix: str, cls: type) -> list[str]:
+    """One table row per field of ``cls``; a field that is itself a section (e.g. loss.mirror_map)
+    is followed by the rows of its own fields."""
+    rows = []
+    docs, field_types = attribute_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meaning = docs.get(f.name, "").replace("|", "\\|")
+        rows.append(f"| `{prefix}.{f.name}` | `{_type_name(field_types[f.name])}` | `{_default(f)}` | {meaning} |")
+        if dataclasses.is_dataclass(field_types[f.name]):
+            rows += _rows(f"{prefix}.{f.name}", field_types[f.name])
+    return rows
 
 
 if __name__ == "__main__":

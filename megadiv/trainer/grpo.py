@@ -17,7 +17,7 @@ import yaml
 
 from megadiv import parallel
 from megadiv.config import ModelConfig, to_dict
-from megadiv.divergence import DIVERGENCES, compute_advantages, kl_reward_penalty
+from megadiv.divergence import compute_advantages, kl_reward_penalty
 from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.config import TrainConfig
@@ -58,6 +58,7 @@ def train(cfg: TrainConfig) -> Path:
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "eval_before": None}
         latest = checkpoint.latest_checkpoint(run_dir) if cfg.checkpoint.resume == "auto" else None
+        mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)
             if driver:
@@ -76,6 +77,8 @@ def train(cfg: TrainConfig) -> Path:
             exp = _broadcast(driver.collect(step, timer) if driver else None)  # generate, reward, advantage
             with timer("train"):
                 metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
+            if mirror_map is not None:                                          # the same h, every rank and step
+                metrics["mirror_map/fingerprint"] = checkpoint.check_mirror_map(cfg.loss, mirror_map)
             state = _guard(cfg, state, metrics, step)                           # skip / abort on NaN
             with timer("sync"):
                 sync = _sync_weights(cfg, actor, driver, probe, step)           # push weights, probe check
@@ -119,21 +122,23 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     kl_in_reward = cfg.loss.kl_coef > 0 and cfg.loss.kl_placement == "reward"
     if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:  # else on-policy: logp.detach()
         batch.logp_old = actor.log_probs(batch, mbs)
+    kl_metrics = {}
     if kl_in_reward:
-        batch.advantages = _advantages_with_kl_in_reward(cfg, actor, exp, batch, rows)
+        batch.advantages, kl_metrics = _advantages_with_kl_in_reward(cfg, actor, exp, batch, rows)
     # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
-    regularizer = DIVERGENCES[cfg.loss.regularizer](consume_base=True) if cfg.uses_vocab_regularizer else None
+    regularizer = cfg.loss.divergence(cfg.loss.regularizer, consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
     steps = [actor.train_step(mini_batch, objective, mbs, regularizer, reference)
              for epoch in range(cfg.grpo.ppo_epochs) for mini_batch in batch.split(cfg.grpo.mini_batches)]
     metrics = {key: sum(m[key] for m in steps) / len(steps) for key in steps[-1]}
     metrics["skipped"] = max(m["skipped"] for m in steps)
-    return metrics
+    return metrics | kl_metrics
 
 
 def _advantages_with_kl_in_reward(cfg: TrainConfig, actor: Policy, exp: Experience, batch: SequenceBatch,
                                   rows: slice):
-    """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again. The
+    """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again (and the
+    mean penalty as a metric). The
     last pipeline stages hold the log-probs of their replica's rows; one all-reduce assembles the
     penalty of every row on every rank (each of the TP ranks of a last stage adds the same value)."""
     from megatron.core import parallel_state
@@ -144,7 +149,8 @@ def _advantages_with_kl_in_reward(cfg: TrainConfig, actor: Policy, exp: Experien
                                           batch.loss_mask.to(actor.device))
     dist.all_reduce(penalty)
     penalty = penalty.cpu() / parallel_state.get_tensor_model_parallel_world_size()
-    return compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
+    advantages = compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
+    return advantages, {"reward/kl_penalty_mean": float(penalty.mean())}
 
 
 def _guard(cfg: TrainConfig, state: dict, metrics: dict, step: int) -> dict:
