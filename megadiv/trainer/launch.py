@@ -1,0 +1,138 @@
+"""``megadiv train --nproc N``: run the job under torchrun on this machine and own its whole lifetime.
+
+The launcher's PID is the one schedulers and operators signal (SLURM, systemd, ``kill PID``,
+Ctrl-C). It forwards the first SIGTERM/SIGINT to torchrun, which passes it to every rank; the ranks
+abandon the step and exit within seconds (megadiv.trainer.lifecycle). A second signal, or a job
+still alive EXIT_GRACE_S after the first, gets SIGKILL. The launcher is a child subreaper (Linux
+prctl): any helper orphaned by a dying rank (a checkpoint writer, an SGLang server, a reward
+worker) is re-parented to it, and it kills every remaining descendant before it returns.
+
+torchrun's own failure report (its logging and its ChildFailedError traceback) goes to
+``run_dir/logs/torchrun.log``; the console gets the ranks' one-line errors, or one line from the
+launcher when a rank died without a word (killed by a signal).
+"""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from megadiv.trainer.lifecycle import _LIBC, EXIT_GRACE_S, STOP_SIGNALS
+
+PR_SET_CHILD_SUBREAPER = 36
+# torchrun's log lines: "E1201 02:50:00.123000 4242 torch/distributed/elastic/...py:869] text"
+TORCHRUN_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S+:\d+\] ")
+WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def launch(nproc: int, train_args: list[str], run_dir: Path) -> int:
+    """Run ``megadiv train *train_args`` on ``nproc`` local ranks; returns the exit code."""
+    log_path = run_dir / "logs" / "torchrun.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "megadiv.cli", "train", *train_args]
+    # torchrun in its own session: a terminal's Ctrl-C reaches the launcher alone, which forwards it once
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+    received: list[int] = []
+    report = _StderrFilter(proc.stderr, log_path)
+
+    def forward(signum, frame):
+        received.append(signum)
+        report.quiet = True  # torchrun's shutdown chatter goes to the log; the launcher says what happened
+        _signal_tree(proc.pid, signum if len(received) == 1 else signal.SIGKILL, only_root=len(received) == 1)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    reader = threading.Thread(target=report.run, daemon=True)
+    reader.start()
+    try:
+        deadline = None
+        while proc.poll() is None:
+            time.sleep(0.2)
+            if received and deadline is None:
+                deadline = time.monotonic() + EXIT_GRACE_S + 5  # the ranks' own watchdog, plus torchrun's exit
+            if deadline is not None and time.monotonic() > deadline:
+                _signal_tree(proc.pid, signal.SIGKILL, only_root=False)
+        reader.join(timeout=5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _kill_descendants()
+    if received:
+        name = signal.Signals(received[0]).name
+        print(f"megadiv train: stopped by {name}; the same command resumes from the newest complete checkpoint "
+              f"in {run_dir / 'checkpoints'}", file=sys.stderr, flush=True)
+        return 128 + received[0]
+    if proc.returncode and not report.rank_reported and report.worker_failure:
+        code, rank = report.worker_failure
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        print(f"megadiv train: local rank {rank} {how}; torchrun's report: {log_path}", file=sys.stderr, flush=True)
+    elif proc.returncode and not report.rank_reported:
+        print(f"megadiv train: torchrun failed with exit code {proc.returncode}; its report: {log_path}",
+              file=sys.stderr, flush=True)
+    return proc.returncode
+
+
+class _StderrFilter:
+    """Copies the job's stderr to ours, diverting torchrun's own lines to its log file. After a
+    worker failure or a stop signal, only the ranks' one-line errors still reach the console."""
+
+    def __init__(self, stream, log_path: Path):
+        self.stream, self.log_path = stream, log_path
+        self.quiet = False
+        self.worker_failure: tuple[int, int] | None = None
+        self.rank_reported = False
+
+    def run(self) -> None:
+        with open(self.log_path, "ab") as log:
+            for raw in iter(self.stream.readline, b""):
+                line = raw.decode(errors="replace")
+                failed = WORKER_FAILED.search(line)
+                if failed and self.worker_failure is None:
+                    self.worker_failure = (int(failed.group(1)), int(failed.group(2)))
+                is_rank_error = line.startswith("megadiv train: rank") and " failed at step " in line
+                self.rank_reported |= is_rank_error
+                if is_rank_error or not (TORCHRUN_LINE.match(line) or self.worker_failure or self.quiet):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                else:
+                    log.write(raw)
+                    log.flush()
+
+
+def _signal_tree(pid: int, sig: int, only_root: bool) -> None:
+    """``sig`` to torchrun (which relays it to the ranks), or to it and every descendant."""
+    try:
+        root = psutil.Process(pid)
+        targets = [root] if only_root else [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in targets:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def _kill_descendants(grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, every process still below the launcher (orphans re-parented to it)."""
+    children = psutil.Process().children(recursive=True)
+    for p in children:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
