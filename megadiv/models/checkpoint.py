@@ -78,8 +78,9 @@ def write_metadata(model, ckpt_dir: Path) -> None:
 def read_metadata(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / METADATA_FILE
     if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir} is not a complete megadiv checkpoint (no {METADATA_FILE}); "
-                              f"an interrupted save leaves <dir>.partial instead")
+        raise CheckpointError(f"{ckpt_dir} is not a complete megadiv checkpoint (no {METADATA_FILE}): an "
+                              f"interrupted save leaves <dir>.partial instead, and training checkpoints have "
+                              f"one since megadiv wrote manifests")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')} is not supported (expected {FORMAT})")

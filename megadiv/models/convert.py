@@ -3,6 +3,8 @@
     # small models: one process (TP = PP = 1)
     megadiv convert hf-to-megatron --hf-dir Qwen2.5-0.5B --out ckpt/qwen-mcore
     megadiv convert megatron-to-hf --ckpt-dir ckpt/qwen-mcore --hf-template Qwen2.5-0.5B --out qwen-hf
+    # a training checkpoint (its model part; the optimizer state is not read)
+    megadiv convert megatron-to-hf --ckpt-dir RUN/checkpoints/step_000100 --hf-template RUN/sft --out step100-hf
     # large models: TP x PP processes, each holding one shard (several nodes: docs/models.md)
     torchrun --nproc-per-node 8 -m megadiv.cli convert hf-to-megatron --hf-dir D --out D --tp 4 --pp 2
 

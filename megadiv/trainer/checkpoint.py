@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megadiv.config import ConfigError, ParallelConfig
 from megadiv.models.checkpoint import CheckpointError, sharded_state_dict, write_metadata
-from megadiv.trainer.lifecycle import die_with_parent
+from megadiv.trainer.lifecycle import start_helper
 from megadiv.trainer.policy import Policy
 
 # Distributed-optimizer state sharded so that it reloads at the same TP/PP/DP layout (megatron-core
@@ -168,7 +168,8 @@ def _verify_and_seal(partial: Path, step: int, layout: dict, world_size: int) ->
 
 # megatron-core's checkpoint writer reports through a queue served by a multiprocessing manager it
 # spawns on first use (dist_checkpointing/strategies/filesystem_async.py: _get_write_results_queue);
-# that server outlives a rank killed with SIGKILL. Start it ourselves with the parent-death signal.
+# that server outlives a rank killed with SIGKILL, and dies first when torchrun signals the rank's
+# process group. Start it ourselves as a helper that lives exactly as long as the rank.
 _MANAGER: SyncManager | None = None
 
 
@@ -178,20 +179,21 @@ def _results_queue_that_dies_with_us() -> None:
 
     if _MANAGER is None and getattr(filesystem_async, "_results_queue", False) is None:
         _MANAGER = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        _MANAGER.start(initializer=die_with_parent)
+        _MANAGER.start(initializer=start_helper)
         filesystem_async._results_queue = _MANAGER.Queue()
 
 
 EXPORT_MARKER = "megadiv_step.json"
 
 
-def export_hf(run_dir: Path, actor: Policy, template_dir: str, step: int) -> None:
-    """Write the policy to ``run_dir/hf`` (collective) unless it already holds step ``step``; the
-    step is recorded in hf/megadiv_step.json after the export, so an extended run re-exports."""
+def export_hf(run_dir: Path, actor: Policy, template_dir: str, step: int, retrained: bool) -> None:
+    """Write the policy to ``run_dir/hf`` (collective), unless this launch trained nothing and hf/
+    already holds step ``step``. The step is recorded in hf/megadiv_step.json after the export, so
+    an extended run (more grpo.steps) re-exports."""
     from megadiv.models.convert import write_hf_checkpoint
 
     marker = run_dir / "hf" / EXPORT_MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("step") == step:
+    if not retrained and marker.is_file() and json.loads(marker.read_text()).get("step") == step:
         return
     write_hf_checkpoint(actor.model, run_dir / "hf", template_dir, shard_bytes=2 << 30, replace=True)
     if dist.get_rank() == 0:

@@ -79,10 +79,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except RankFailure as e:
         print(e, file=sys.stderr, flush=True)
-        return 1
+        _exit_now(1)
     except RunInterrupted as e:
         if rank == 0:
             print(f"megadiv train: stopped by {e} at step {e.step}; nothing half-written was kept, the same command "
                   f"resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        _exit_now(128 + e.signum)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's finalization: after an abandoned step, collecting megatron's
+    and gloo's objects can block for many seconds (peers are gone), where no thread runs any more."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

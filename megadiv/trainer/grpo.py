@@ -67,7 +67,8 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             else:
                 drain(actor.export_buckets(cfg.rollout.bucket_bytes))
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
-        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, resumed_step=state["step"] if latest else None)
+        resumed_step = state["step"]
+        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, resumed_step=resumed_step if latest else None)
         if latest is None and driver:
             state["eval_before"] = driver.evaluate()
             logger.log(0, state["eval_before"], prefix="eval")
@@ -96,7 +97,7 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
 
         after = driver.evaluate() if driver else {}
         if cfg.checkpoint.export_hf:
-            checkpoint.export_hf(run_dir, actor, start_dir, state["step"])  # unless hf/ holds this step already
+            checkpoint.export_hf(run_dir, actor, start_dir, state["step"], retrained=state["step"] > resumed_step)
         if driver:
             logger.log(cfg.grpo.steps, after, prefix="eval")
             _finish(run_dir, logger, state, after)

@@ -60,35 +60,42 @@ def launch(nproc: int, train_args: list[str], run_dir: Path) -> int:
                 deadline = time.monotonic() + EXIT_GRACE_S + 5  # the ranks' own watchdog, plus torchrun's exit
             if deadline is not None and time.monotonic() > deadline:
                 _signal_tree(proc.pid, signal.SIGKILL, only_root=False)
-        reader.join(timeout=5)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _kill_descendants()
+        _kill_descendants()  # also closes the stderr pipe that orphaned helpers inherited
+        reader.join(timeout=5)
     if received:
         name = signal.Signals(received[0]).name
         print(f"megadiv train: stopped by {name}; the same command resumes from the newest complete checkpoint "
               f"in {run_dir / 'checkpoints'}", file=sys.stderr, flush=True)
         return 128 + received[0]
-    if proc.returncode and not report.rank_reported and report.worker_failure:
-        code, rank = report.worker_failure
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"megadiv train: local rank {rank} {how}; torchrun's report: {log_path}", file=sys.stderr, flush=True)
-    elif proc.returncode and not report.rank_reported:
-        print(f"megadiv train: torchrun failed with exit code {proc.returncode}; its report: {log_path}",
-              file=sys.stderr, flush=True)
+    if proc.returncode:
+        print(_failure_line(report, proc.returncode, log_path), file=sys.stderr, flush=True)
     return proc.returncode
 
 
+def _failure_line(report: _StderrFilter, returncode: int, log_path: Path) -> str:
+    """The cause: a rank killed by a signal (the others' errors are its echoes), else the first
+    rank's own error line."""
+    code, rank = report.worker_failure or (0, None)
+    if code < 0:
+        return f"megadiv train: local rank {rank} was killed by {signal.Signals(-code).name}; torchrun's report: {log_path}"
+    if report.rank_errors:
+        return report.rank_errors[0]
+    return f"megadiv train: torchrun failed with exit code {returncode}; its report: {log_path}"
+
+
 class _StderrFilter:
-    """Copies the job's stderr to ours, diverting torchrun's own lines to its log file. After a
-    worker failure or a stop signal, only the ranks' one-line errors still reach the console."""
+    """Copies the job's stderr to ours, diverting torchrun's own lines to its log file, and the
+    ranks' one-line errors too (the launcher prints the cause once the job has ended). After a
+    stop signal, a worker failure or a rank error, everything goes to the log."""
 
     def __init__(self, stream, log_path: Path):
         self.stream, self.log_path = stream, log_path
         self.quiet = False
         self.worker_failure: tuple[int, int] | None = None
-        self.rank_reported = False
+        self.rank_errors: list[str] = []
 
     def run(self) -> None:
         with open(self.log_path, "ab") as log:
@@ -97,9 +104,9 @@ class _StderrFilter:
                 failed = WORKER_FAILED.search(line)
                 if failed and self.worker_failure is None:
                     self.worker_failure = (int(failed.group(1)), int(failed.group(2)))
-                is_rank_error = line.startswith("megadiv train: rank") and " failed at step " in line
-                self.rank_reported |= is_rank_error
-                if is_rank_error or not (TORCHRUN_LINE.match(line) or self.worker_failure or self.quiet):
+                if line.startswith("megadiv train: rank") and " failed at step " in line:
+                    self.rank_errors.append(line.rstrip("\n"))
+                if not (TORCHRUN_LINE.match(line) or self.worker_failure or self.quiet or self.rank_errors):
                     sys.stderr.write(line)
                     sys.stderr.flush()
                 else:
@@ -121,8 +128,9 @@ def _signal_tree(pid: int, sig: int, only_root: bool) -> None:
             pass
 
 
-def _kill_descendants(grace_s: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL, every process still below the launcher (orphans re-parented to it)."""
+def _kill_descendants(grace_s: float = 1.0) -> None:
+    """SIGTERM, then SIGKILL, every process still below the launcher (orphans re-parented to it; the
+    ranks are gone by now, these are helpers, some of which ignore SIGTERM)."""
     children = psutil.Process().children(recursive=True)
     for p in children:
         try:

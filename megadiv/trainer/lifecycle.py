@@ -6,11 +6,15 @@ parent, and errors reported as one line.
         ... guard.step = step    # the step named in a failure line
     # an exception leaves as RankFailure: one line (rank, step, error, file); traceback in logs/rank<R>.log
 
-Signals: the first SIGTERM or SIGINT raises RunInterrupted in the main thread at the next Python
+Signals: SIGTERM or SIGINT raises RunInterrupted in the main thread at the next Python
 instruction, so the current step is abandoned (a checkpoint being written stays ``step_N.partial``
-and is never taken for a complete one). A rank blocked in C code (a collective waiting for a peer
-that already left) cannot run that handler: a watchdog thread woken by the same signal exits the
-process EXIT_GRACE_S later whatever it is doing. A second signal kills at once (default handler).
+and is never taken for a complete one). Python drops an exception raised inside some callbacks
+(at-fork hooks, finalizers: a signal during megatron's forking checkpoint writer lands there) and
+reports it to ``sys.unraisablehook``; ours raises it again in the main thread. A rank blocked in C
+code (a collective waiting for a peer that already left) cannot run the handler at all: a
+watchdog thread woken by the same signal exits the process EXIT_GRACE_S after it, whatever it is
+doing. Forked children (megatron's writers) take the default action on these signals and die with
+the rank.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+import _thread
 from pathlib import Path
 
 from megadiv.config import ConfigError
@@ -39,6 +44,23 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Linux: this process gets ``sig`` when the thread that created it dies (even by SIGKILL)."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def start_helper() -> None:
+    """In a helper process that serves its rank (a multiprocessing server): ignore stop signals, which
+    torchrun sends to the rank's whole process group and which the rank itself handles, and die
+    with the rank. Stopping first would break the rank's last calls into it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent()
+
+
+def _forked_child() -> None:
+    """In a process forked by a rank: no inherited stop handler or wakeup pipe; die with the rank."""
+    signal.set_wakeup_fd(-1)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    die_with_parent()
 
 
 class RunLocked(ConfigError):
@@ -87,9 +109,9 @@ class RunInterrupted(BaseException):
     """A stop signal arrived (BaseException, like KeyboardInterrupt: ``except Exception`` must not
     swallow it)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, step: int = 0):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.step = signum, 0
+        self.signum, self.step = signum, step
 
 
 class RankFailure(Exception):
@@ -102,20 +124,25 @@ class RunGuard:
     def __init__(self, run_dir: Path, rank: int):
         self.run_dir, self.rank = Path(run_dir), rank
         self.step = 0
+        self.signalled: int | None = None  # set by the watchdog as soon as a stop signal arrives
         self.lock = RunLock(run_dir)
         self._previous: dict[int, object] = {}
+        self._previous_unraisablehook = sys.unraisablehook
 
     def __enter__(self) -> RunGuard:
         if self.rank == 0:
             self.lock.acquire()
-        os.register_at_fork(after_in_child=die_with_parent)  # forked helpers (megatron's checkpoint writers)
+        os.register_at_fork(after_in_child=_forked_child)
         self._install_signal_handlers()
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = self._previous_unraisablehook
         self.lock.release()
+        if isinstance(error, Exception) and self.signalled:  # a consequence of the stop (a helper or peer gone)
+            raise RunInterrupted(self.signalled, self.step) from error
         if isinstance(error, RunInterrupted):
             error.step = self.step
         if error is None or isinstance(error, (RunInterrupted, RankFailure)) or not isinstance(error, Exception):
@@ -147,10 +174,15 @@ class RunGuard:
         threading.Thread(target=self._watchdog, args=(read_fd,), name="megadiv-stop-watchdog", daemon=True).start()
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        sys.unraisablehook = self._on_unraisable
+
+    def _on_unraisable(self, unraisable) -> None:
+        if isinstance(unraisable.exc_value, RunInterrupted):  # dropped: raise it again, outside that callback
+            threading.Timer(0.05, _thread.interrupt_main, args=(unraisable.exc_value.signum,)).start()
+        else:
+            self._previous_unraisablehook(unraisable)
 
     def _on_signal(self, signum: int, frame) -> None:
-        for sig in STOP_SIGNALS:  # a second signal takes the default action: immediate exit
-            signal.signal(sig, signal.SIG_DFL)
         raise RunInterrupted(signum)
 
     def _watchdog(self, read_fd: int) -> None:
@@ -158,6 +190,7 @@ class RunGuard:
             signum = os.read(read_fd, 1)[0]
             if signum in STOP_SIGNALS:
                 break
+        self.signalled = signum
         time.sleep(EXIT_GRACE_S)
         os.write(2, f"megadiv train: rank {self.rank} still running {EXIT_GRACE_S:.0f} s after "
                     f"{signal.Signals(signum).name} (blocked in a collective); exiting now\n".encode())
