@@ -5,7 +5,8 @@ Ctrl-C). It forwards the first SIGTERM/SIGINT to torchrun, which passes it to ev
 abandon the step and exit within seconds (megadiv.trainer.lifecycle). A second signal, or a job
 still alive EXIT_GRACE_S after the first, gets SIGKILL. The launcher is a child subreaper (Linux
 prctl): any helper orphaned by a dying rank (a checkpoint writer, an SGLang server, a reward
-worker) is re-parented to it, and it kills every remaining descendant before it returns.
+worker) is re-parented to it, and it kills every remaining descendant before it returns. Should
+the launcher itself be killed, torchrun gets SIGTERM (parent-death signal) and stops the ranks.
 
 torchrun's own failure report (its logging and its ChildFailedError traceback) goes to
 ``run_dir/logs/torchrun.log``; the console gets the ranks' one-line errors, or one line from the
@@ -23,24 +24,25 @@ from pathlib import Path
 
 import psutil
 
-from megadiv.trainer.lifecycle import _LIBC, EXIT_GRACE_S, STOP_SIGNALS
+from megadiv.trainer.lifecycle import EXIT_GRACE_S, STOP_SIGNALS, adopt_orphans, die_with_parent
 
-PR_SET_CHILD_SUBREAPER = 36
 # torchrun's log lines: "E1201 02:50:00.123000 4242 torch/distributed/elastic/...py:869] text"
 TORCHRUN_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S+:\d+\] ")
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+RANK_STOPPED = "megadiv train: stopped by "  # a rank's own line; the launcher says why it was stopped
 
 
 def launch(nproc: int, train_args: list[str], run_dir: Path) -> int:
     """Run ``megadiv train *train_args`` on ``nproc`` local ranks; returns the exit code."""
     log_path = run_dir / "logs" / "torchrun.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    adopt_orphans()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "megadiv.cli", "train", *train_args]
     # torchrun in its own session: a terminal's Ctrl-C reaches the launcher alone, which forwards it once
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+    # and SIGTERM for it should the launcher itself be killed (SIGKILL cannot be relayed)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     received: list[int] = []
     report = _StderrFilter(proc.stderr, log_path)
 
@@ -106,7 +108,10 @@ class _StderrFilter:
                     self.worker_failure = (int(failed.group(1)), int(failed.group(2)))
                 if line.startswith("megadiv train: rank") and " failed at step " in line:
                     self.rank_errors.append(line.rstrip("\n"))
-                if not (TORCHRUN_LINE.match(line) or self.worker_failure or self.quiet or self.rank_errors):
+                if TORCHRUN_LINE.match(line) and "closing signal" in line:
+                    self.quiet = True  # torchrun tears the job down; what follows are its consequences
+                if not (TORCHRUN_LINE.match(line) or line.startswith(RANK_STOPPED) or self.worker_failure
+                        or self.quiet or self.rank_errors):
                     sys.stderr.write(line)
                     sys.stderr.flush()
                 else:

@@ -37,13 +37,20 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 LOCK_FILE = ".lock"
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Linux: this process gets ``sig`` when the thread that created it dies (even by SIGKILL)."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def adopt_orphans() -> None:
+    """Linux: descendants orphaned below this process are re-parented to it (not to init), so it
+    can find and stop them."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def start_helper() -> None:
