@@ -30,6 +30,7 @@ from tests.test_trainer import CONFIG, REPO, TINY, hf_weights, step_records
 pytestmark = pytest.mark.slow
 
 FAST = [*TINY, "eval.every=0", "eval.data.max_items=4", "eval.samples=0", "checkpoint.keep_last=3"]
+TP1 = ["parallel.tensor_parallel=1"]  # the one-process runs (the demo config is TP=2)
 
 
 def train_command(run_dir: Path, *overrides: str, nproc: int = 1) -> list[str]:
@@ -158,7 +159,7 @@ def test_a_stopped_tp2_run_leaves_no_process(tmp_path, fault):
 def straight(tmp_path_factory) -> Path:
     """An uninterrupted 3-step run (TP=1, one process) with a checkpoint after every step."""
     run_dir = tmp_path_factory.mktemp("ckpt") / "straight"
-    train(run_dir, "grpo.steps=3")
+    train(run_dir, "grpo.steps=3", *TP1)
     return run_dir
 
 
@@ -183,7 +184,7 @@ def test_resume_skips_a_truncated_newest_checkpoint(straight):
     os.truncate(damaged, size // 2)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "reward/me')  # a torn last line (killed mid-write)
-    _, out = train(run_dir, "grpo.steps=3")
+    _, out = train(run_dir, "grpo.steps=3", *TP1)
     assert (f"skipping checkpoint {newest}: __0_0.distcp is {size // 2} bytes, the manifest says {size} "
             f"(truncated or overwritten)") in out
     assert f"resumed from {previous} at step 2" in out
@@ -206,11 +207,11 @@ def test_resume_skips_a_truncated_newest_checkpoint(straight):
 def test_resume_after_the_newest_checkpoint_was_deleted_and_extending_reexports(straight):
     run_dir = copy_run(straight, "deleted")
     shutil.rmtree(run_dir / "checkpoints" / "step_000003")  # 'latest' still names it
-    _, out = train(run_dir, "grpo.steps=3")
+    _, out = train(run_dir, "grpo.steps=3", *TP1)
     assert f"resumed from {run_dir / 'checkpoints' / 'step_000002'} at step 2" in out
     assert_same_final_weights(straight, run_dir)
     # a finished run extended by one step: hf/ and summary.json both move to step 4
-    _, out = train(run_dir, "grpo.steps=4")
+    _, out = train(run_dir, "grpo.steps=4", *TP1)
     assert f"resumed from {run_dir / 'checkpoints' / 'step_000003'} at step 3" in out
     assert json.loads((run_dir / "hf" / "megadiv_step.json").read_text()) == {"step": 4}
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
