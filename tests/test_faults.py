@@ -30,7 +30,10 @@ from tests.test_trainer import CONFIG, REPO, TINY, hf_weights, step_records
 pytestmark = pytest.mark.slow
 
 FAST = [*TINY, "eval.every=0", "eval.data.max_items=4", "eval.samples=0", "checkpoint.keep_last=3"]
-TP1 = ["parallel.tensor_parallel=1"]  # the one-process runs (the demo config is TP=2)
+# The one-process runs (the demo config is TP=2). The tiny model answers nothing right after 5
+# warm-start steps; DAPO's overlong shaping (lengths 1-4 of 4 tokens score 0 to -1) gives every group
+# reward variance, so each step moves the weights and equal final weights mean something.
+TP1 = ["parallel.tensor_parallel=1", "grpo.overlong_buffer=3"]
 
 
 def train_command(run_dir: Path, *overrides: str, nproc: int = 1) -> list[str]:
@@ -171,6 +174,10 @@ def copy_run(src: Path, name: str) -> Path:
     return dst
 
 
+def hf_weights_of(hf_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+
+
 def assert_same_final_weights(a: Path, b: Path) -> None:
     wa, wb = hf_weights(a), hf_weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -189,6 +196,8 @@ def test_resume_skips_a_truncated_newest_checkpoint(straight):
             f"(truncated or overwritten)") in out
     assert f"resumed from {previous} at step 2" in out
     assert_same_final_weights(straight, run_dir)
+    start, end = hf_weights_of(straight / "sft"), hf_weights(straight)
+    assert any(not torch.equal(start[k], end[k]) for k in start)  # the 3 steps did train
     assert [r["step"] for r in step_records(run_dir)] == [1, 2, 3]  # truncated to step 2 on resume, torn line gone
     assert (run_dir / "curves.png").stat().st_size > 0
     assert json.loads((run_dir / "hf" / "megadiv_step.json").read_text()) == {"step": 3}
@@ -198,7 +207,7 @@ def test_resume_skips_a_truncated_newest_checkpoint(straight):
                     str(straight / "checkpoints" / "step_000003"), "--hf-template", str(straight / "sft"),
                     "--out", str(converted)], cwd=REPO, check=True, timeout=600, capture_output=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    converted_weights = {k: v for f in converted.glob("*.safetensors") for k, v in load_file(f).items()}
+    converted_weights = hf_weights_of(converted)
     exported = hf_weights(straight)
     assert converted_weights.keys() == exported.keys()
     assert all(torch.equal(converted_weights[k], exported[k]) for k in exported)
