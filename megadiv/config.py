@@ -152,7 +152,11 @@ class ModelConfig:
         """(layers, attention heads, key/value heads), read from hf_dir's config.json when it exists."""
         if not self.has_checkpoint():
             return self.num_layers, self.num_attention_heads, self.num_query_groups or self.num_attention_heads
-        hf = json.loads((Path(self.hf_dir) / "config.json").read_text())
+        path = Path(self.hf_dir) / "config.json"
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.hf_dir: cannot read {path} ({e}): truncated or damaged?") from None
         heads = hf["num_attention_heads"]
         return hf["num_hidden_layers"], heads, hf.get("num_key_value_heads") or heads
 
@@ -226,7 +230,7 @@ def load_config(cls: type, paths: str | Path | list | None = None, overrides: li
     overrides, validated into ``cls``."""
     data: dict = {}
     for path in [paths] if isinstance(paths, (str, Path)) else (paths or []):
-        layer = yaml.safe_load(Path(path).read_text()) or {}
+        layer = read_yaml(path) or {}
         if not isinstance(layer, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = _merge(data, layer)
@@ -234,8 +238,28 @@ def load_config(cls: type, paths: str | Path | list | None = None, overrides: li
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
+        _set_dotted(data, key.strip(), parsed)
     return from_dict(cls, data)
+
+
+def read_yaml(path: str | Path):
+    """Parse one YAML file; errors name the file (and the line and column of a syntax error)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {e}") from None
 
 
 def split_config_args(args: list[str]) -> tuple[list[str], list[str]]:

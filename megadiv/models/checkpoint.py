@@ -59,9 +59,7 @@ def save_megatron_checkpoint(model, out_dir: str | Path, overwrite: bool = False
     dist_checkpointing.save(sharded_state_dict(model), str(partial))
     dist.barrier()
     if rank == 0:
-        meta = {"format": FORMAT, "hf_config": model.hf_config, "padded_vocab_size": model.padded_vocab_size,
-                "dtype": str(model.config.params_dtype).removeprefix("torch.")}
-        (partial / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+        write_metadata(model, partial)
         if out.exists():
             shutil.rmtree(out)
         partial.rename(out)
@@ -69,11 +67,20 @@ def save_megatron_checkpoint(model, out_dir: str | Path, overwrite: bool = False
     return out
 
 
+def write_metadata(model, ckpt_dir: Path) -> None:
+    """``megadiv_model.json``: what a reader needs to rebuild the model (also in training checkpoints,
+    so that ``megadiv convert megatron-to-hf`` takes ``run_dir/checkpoints/step_N``)."""
+    meta = {"format": FORMAT, "hf_config": model.hf_config, "padded_vocab_size": model.padded_vocab_size,
+            "dtype": str(model.config.params_dtype).removeprefix("torch.")}
+    (Path(ckpt_dir) / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+
+
 def read_metadata(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / METADATA_FILE
     if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir} is not a complete megadiv checkpoint (no {METADATA_FILE}); "
-                              f"an interrupted save leaves <dir>.partial instead")
+        raise CheckpointError(f"{ckpt_dir} is not a complete megadiv checkpoint (no {METADATA_FILE}): an "
+                              f"interrupted save leaves <dir>.partial instead, and training checkpoints have "
+                              f"one since megadiv wrote manifests")
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')} is not supported (expected {FORMAT})")

@@ -3,6 +3,8 @@
     # small models: one process (TP = PP = 1)
     megadiv convert hf-to-megatron --hf-dir Qwen2.5-0.5B --out ckpt/qwen-mcore
     megadiv convert megatron-to-hf --ckpt-dir ckpt/qwen-mcore --hf-template Qwen2.5-0.5B --out qwen-hf
+    # a training checkpoint (its model part; the optimizer state is not read)
+    megadiv convert megatron-to-hf --ckpt-dir RUN/checkpoints/step_000100 --hf-template RUN/sft --out step100-hf
     # large models: TP x PP processes, each holding one shard (several nodes: docs/models.md)
     torchrun --nproc-per-node 8 -m megadiv.cli convert hf-to-megatron --hf-dir D --out D --tp 4 --pp 2
 
@@ -114,10 +116,11 @@ def megatron_to_hf(args: argparse.Namespace) -> Path:
     return write_hf_checkpoint(model, args.out, args.hf_template, parse_size(args.shard_size))
 
 
-def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_bytes: int) -> Path:
+def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_bytes: int,
+                        replace: bool = False) -> Path:
     """Collective: gather ``model`` bucket by bucket; rank 0 writes each bucket as one safetensors
     file, then the index, config.json and the template's other files, into ``<out>.partial``,
-    renamed to ``out`` when complete."""
+    renamed to ``out`` when complete (``replace``: an existing ``out`` is swapped out only then)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -152,7 +155,14 @@ def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_
         config.pop("torch_dtype", None)
         config["dtype"] = str(model.config.params_dtype).removeprefix("torch.")
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        partial.rename(out)
+        if replace and out.exists():
+            old = out.with_name(out.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            partial.rename(out)
+            shutil.rmtree(old)
+        else:
+            partial.rename(out)
         log.info("wrote Hugging Face checkpoint %s (%.1f MiB)", out, total / 2**20)
     dist.barrier()
     return out

@@ -56,7 +56,17 @@ def load_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {hf_dir}")
-    return json.loads(path.read_text())
+    return read_json_config(path)
+
+
+def read_json_config(path: Path) -> dict:
+    """A checkpoint's config.json; a damaged or unreadable one is a ConfigError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}): truncated or damaged") from None
 
 
 def arch_from_hf_config(cfg: dict) -> ArchSpec:

@@ -78,7 +78,13 @@ class SafetensorsCheckpoint:
             raise WeightMismatchError(f"no model.safetensors or model.safetensors.index.json in {hf_dir}")
         self._stack = ExitStack()
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        self._handles = {f: self._stack.enter_context(safe_open(str(hf_dir / f), framework="pt")) for f in files}
+        self._handles = {}
+        for f in files:
+            try:
+                self._handles[f] = self._stack.enter_context(safe_open(str(hf_dir / f), framework="pt"))
+            except Exception as e:  # safetensors' errors (a truncated file: "incomplete metadata") name no file
+                self._stack.close()
+                raise WeightMismatchError(f"{hf_dir / f}: cannot read it: {e}") from None
         self.file_of = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -132,6 +138,10 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
             if tuple(part.shape) != tuple(param.shape):
                 raise WeightMismatchError(f"{name}: shard built from {rule.hf_names(layer)} has shape "
                                           f"{list(part.shape)}, the megatron parameter {list(param.shape)}")
+            if not torch.isfinite(part).all():  # NaN/Inf weights would train on as nan losses until sampling fails
+                names = rule.hf_names(layer)
+                raise WeightMismatchError(f"{Path(hf_dir) / ckpt.file_of[names[0]]}: tensor {', '.join(names)} holds "
+                                          f"NaN or Inf values")
             param.copy_(part)
             if layer is not None and layer != last_layer:
                 log.info("loaded layer %d/%d from %s", layer + 1, model.arch.num_layers, hf_dir)

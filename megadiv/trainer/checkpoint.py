@@ -1,45 +1,58 @@
 """Training checkpoints: model, optimizer, LR schedule, trainer state and RNG, resumable exactly.
 
     run_dir/checkpoints/step_000040/   megatron dist_checkpointing (model + optimizer, sharded) +
-                                       common.pt (schedule, trainer state) + rng_<rank>.pt
-    run_dir/checkpoints/latest         the newest complete checkpoint's directory name
+                                       common.pt (schedule, trainer state) + rng_<rank>.pt +
+                                       megadiv_model.json (the model, for ``megadiv convert``) +
+                                       manifest.json (step, TP/PP layout, every file and its size)
+    run_dir/checkpoints/latest         the newest complete checkpoint's directory name (for people)
     run_dir/mirror_map.json            the run's neural mirror map (380 floats), when a loss term uses one
 
-A save writes ``step_N.partial`` and renames it once every rank has finished, then moves
-``latest``; a crash mid-save leaves the previous checkpoint as the newest complete one. Only
+A save writes ``step_N.partial``; once every rank has finished, rank 0 checks that each rank's
+files are there and readable, writes the manifest last and renames the directory. A crash or a
+signal mid-save leaves only a ``.partial`` directory, which is never resumed from. Only
 ``keep_last`` complete checkpoints are kept. Collective: call on every rank.
+
+Resume (``resume_point``) scans ``step_*`` newest first and takes the first one that is complete
+(manifest present, every listed file present with its size), naming each one it skips and why. It
+never falls back to step 0 while a checkpoint exists: none complete is an error. A checkpoint
+written at another pipeline layout is refused (the TP and data-parallel sizes may change).
 """
 from __future__ import annotations
 
+import json
+import multiprocessing
 import random
 import shutil
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megadiv.config import ConfigError
+from megadiv.config import ConfigError, ParallelConfig
 from megadiv.divergence.losses import PolicyLossConfig
 from megadiv.divergence.mirror_map import fingerprint, load_vector, save_vector
-from megadiv.models.checkpoint import sharded_state_dict
+from megadiv.models.checkpoint import CheckpointError, sharded_state_dict, write_metadata
+from megadiv.trainer.lifecycle import start_helper
 from megadiv.trainer.policy import Policy
 
 # Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
-# optimizer's), gathered over DP on save and sliced on load: it reloads at another TP, PP or DP
-# size (megatron-core rejects its default 'fully_sharded_model_space' on this path, docs/cpu.md).
+# optimizer's), gathered over DP on save and sliced on load: it reloads at another TP or DP size
+# (megatron-core rejects its default 'fully_sharded_model_space' on this path, docs/cpu.md).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+MANIFEST = "manifest.json"
+# What a checkpoint is tied to: resuming at another TP or DP size is tested
+# (tests/test_trainer.py, a DP=2 checkpoint resumed at DP=1 and at TP=2); another pipeline split is not.
+LAYOUT_KEYS = ("pipeline_parallel", "virtual_pipeline", "stage_layers")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = checkpoint_root(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = checkpoint_root(run_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+def layout_of(parallel: ParallelConfig) -> dict:
+    """The layout a checkpoint is tied to (the TP and data-parallel sizes are not)."""
+    return {k: getattr(parallel, k) for k in LAYOUT_KEYS}
 
 
 def fix_mirror_map(loss: PolicyLossConfig, run_dir: Path, resuming: bool) -> float | None:
@@ -78,7 +91,74 @@ def check_same_on_all_ranks(value: float, what: str) -> None:
         raise RuntimeError(f"{what} differs between ranks (values from {-float(both[1])!r} to {float(both[0])!r})")
 
 
-def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict, keep_last: int) -> Path:
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None."""
+    manifest = path / MANIFEST
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the save did not finish, or an older megadiv wrote it)"
+    except (OSError, ValueError, KeyError) as e:
+        return f"{manifest} is unreadable ({e})"
+    for name, size in listed.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
+    return None
+
+
+def resume_point(run_dir: Path, parallel: ParallelConfig) -> tuple[Path | None, list[str]]:
+    """(the newest complete checkpoint or None when there is none at all, one line per skipped one).
+
+    Raises CheckpointError when checkpoints exist but none is complete, and ConfigError when the
+    chosen one was written at another pipeline layout."""
+    candidates = sorted((p for p in checkpoint_root(run_dir).glob("step_*") if p.is_dir()
+                         and not p.name.endswith(".partial")), key=lambda p: p.name, reverse=True)
+    skipped = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            _check_layout(path, parallel)
+            return path, skipped
+        skipped.append(f"skipping checkpoint {path}: {problem}")
+    if skipped:
+        raise CheckpointError(f"no complete checkpoint in {checkpoint_root(run_dir)} (" + "; ".join(skipped)
+                              + "); move them away to start afresh, or set checkpoint.resume=never")
+    return None, skipped
+
+
+def find_resume_point(run_dir: Path, parallel: ParallelConfig) -> Path | None:
+    """Collective ``resume_point``: rank 0 scans and says what it skipped; every rank gets its
+    answer, or raises its error."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            path, skipped = resume_point(run_dir, parallel)
+            for line in skipped:
+                print(line, flush=True)
+            box = [path]
+        except (CheckpointError, ConfigError) as e:
+            box = [e]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def _check_layout(path: Path, parallel: ParallelConfig) -> None:
+    stored = json.loads((path / MANIFEST).read_text())["layout"]
+    mine = layout_of(parallel)
+    if stored != mine:
+        diff = ", ".join(f"parallel.{k}={stored[k]} (now {mine[k]})" for k in LAYOUT_KEYS if stored[k] != mine[k])
+        raise ConfigError(f"{path} was written with {diff}; resuming at another pipeline layout is not supported "
+                          f"(the TP and data-parallel sizes may change). Resume with that layout, or convert the model "
+                          f"(megadiv convert megatron-to-hf --ckpt-dir {path}) and start a new run from it")
+
+
+def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict, keep_last: int,
+                    parallel: ParallelConfig) -> Path:
     """Write step ``step``; ``trainer_state`` (picklable, global rank 0's copy is kept) holds what the
     loop needs to continue: data position, counters, evaluation figures."""
     from megatron.core import dist_checkpointing
@@ -91,6 +171,7 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
+    _results_queue_that_dies_with_us()
     state = _state_template(actor, is_loading=False)
     state["scheduler"] = actor.scheduler.state_dict()
     state["trainer"] = _from_rank0(trainer_state)
@@ -99,6 +180,8 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
     torch.save(_rng_state(), partial / f"rng_{rank}.pt")
     dist.barrier()
     if rank == 0:
+        write_metadata(actor.model, partial)
+        _verify_and_seal(partial, step, layout_of(parallel), dist.get_world_size())
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         (root / "latest.tmp").write_text(final.name + "\n")
@@ -110,8 +193,66 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
     return final
 
 
+def _verify_and_seal(partial: Path, step: int, layout: dict, world_size: int) -> None:
+    """Check what every rank wrote (megatron's metadata and common state load, one RNG file per
+    rank), then write the manifest: the last file of a complete checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    missing = [f"rng_{r}.pt" for r in range(world_size) if not (partial / f"rng_{r}.pt").is_file()]
+    if missing or not (partial / "metadata.json").is_file():
+        raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing or 'metadata.json'}")
+    dist_checkpointing.load_common_state_dict(str(partial))
+    files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
+    manifest = {"step": step, "layout": layout, "world_size": world_size, "files": files}
+    (partial / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+    (partial / (MANIFEST + ".tmp")).rename(partial / MANIFEST)
+
+
+# megatron-core's checkpoint writer reports through a queue served by a multiprocessing manager it
+# spawns on first use (dist_checkpointing/strategies/filesystem_async.py: _get_write_results_queue);
+# that server outlives a rank killed with SIGKILL, and dies first when torchrun signals the rank's
+# process group. Start it ourselves as a helper that lives exactly as long as the rank.
+_MANAGER: SyncManager | None = None
+
+
+def _results_queue_that_dies_with_us() -> None:
+    global _MANAGER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _MANAGER is None and getattr(filesystem_async, "_results_queue", False) is None:
+        _MANAGER = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        _MANAGER.start(initializer=start_helper)
+        filesystem_async._results_queue = _MANAGER.Queue()
+
+
+EXPORT_MARKER = "megadiv_step.json"
+
+
+def export_hf(run_dir: Path, actor: Policy, template_dir: str, step: int, retrained: bool) -> None:
+    """Write the policy to ``run_dir/hf`` (collective), unless this launch trained nothing and hf/
+    already holds step ``step``. The step is recorded in hf/megadiv_step.json after the export, so
+    an extended run (more grpo.steps) re-exports."""
+    from megadiv.models.convert import write_hf_checkpoint
+
+    marker = run_dir / "hf" / EXPORT_MARKER
+    if not retrained and marker.is_file() and json.loads(marker.read_text()).get("step") == step:
+        return
+    write_hf_checkpoint(actor.model, run_dir / "hf", template_dir, shard_bytes=2 << 30, replace=True)
+    if dist.get_rank() == 0:
+        marker.write_text(json.dumps({"step": step}) + "\n")
+
+
 def load_checkpoint(path: Path, actor: Policy) -> dict:
     """Restore ``actor`` (model, optimizer, schedule) and this rank's RNG; returns the trainer state."""
+    try:
+        return _load(path, actor)
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as e:  # torch's and megatron's errors do not say which checkpoint
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {e}") from e
+
+
+def _load(path: Path, actor: Policy) -> dict:
     from megatron.core import dist_checkpointing
 
     _materialize_adam_state(actor.optimizer, dist_checkpointing.load_common_state_dict(str(path))["adam_step"])

@@ -1,4 +1,11 @@
-"""``megadiv check-config [CONFIG ...] [key.sub=value ...]``: validate and print the resolved config."""
+"""``megadiv check-config [CONFIG ...] [key.sub=value ...]``: validate and print the resolved config.
+
+Checks what ``megadiv train`` checks before launching (megadiv.trainer.preflight): keys, types and
+combinations; YAML syntax (file, line and column); the data files (present, parseable, not empty);
+that the run directory can be written; the model directory (config.json, complete safetensors
+holding every tensor of that model); and the checkpoint a resume would start from (its TP/PP
+layout included). Notes (where a resume starts, checkpoints skipped) go to stderr.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +16,7 @@ import yaml
 from megadiv.config import ConfigError, to_dict
 from megadiv.models.fp8 import check_fp8_here
 from megadiv.trainer.cli import add_config_arguments, load_train_config
+from megadiv.trainer.preflight import preflight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +30,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_train_config(args, args.world_size)
         check_fp8_here(cfg.model.fp8)  # with the TE and GPU this machine has, if any
+        notes = preflight(cfg)
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"megadiv: {note}", file=sys.stderr)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0

@@ -23,21 +23,25 @@ from megadiv.trainer import checkpoint
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.driver import RolloutDriver, drain
 from megadiv.trainer.experience import Experience
+from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
 from megadiv.trainer.objectives import grpo_objective
 from megadiv.trainer.policy import Policy, SequenceBatch
 from megadiv.trainer.warm_start import starting_checkpoint
 
 
-class NonFiniteError(RuntimeError):
-    pass
-
-
 def train(cfg: TrainConfig) -> Path:
-    """Run ``cfg`` to the end; returns the run directory (summary.json, metrics.jsonl, curves.png)."""
+    """Run ``cfg`` to the end; returns the run directory (summary.json, metrics.jsonl, curves.png).
+    Raises RunInterrupted on SIGTERM/SIGINT and RankFailure (one line) on any error (lifecycle.py)."""
     info = parallel.initialize(cfg.parallel, cfg.run.seed)
     cfg.check_world_size(info.world_size)  # every batch splits exactly over the DP replicas
-    run_dir = _prepare_run_dir(cfg, info.rank)
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    with RunGuard(run_dir, info.rank) as run:  # run-directory lock, stop signals, one-line errors
+        return _train(cfg, info, run_dir, run)
+
+
+def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
+    _write_run_config(cfg, run_dir, info.rank)
     driver = None
     try:
         start_dir = starting_checkpoint(cfg, run_dir, info)
@@ -53,11 +57,10 @@ def train(cfg: TrainConfig) -> Path:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         driver = (RolloutDriver(cfg, start_dir, tokenizer, reserved_bytes=actor.optimizer_state_bytes())
                   if info.rank == 0 else None)
-        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps)
         probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "eval_before": None}
-        latest = checkpoint.latest_checkpoint(run_dir) if cfg.checkpoint.resume == "auto" else None
+        latest = checkpoint.find_resume_point(run_dir, cfg.parallel) if cfg.checkpoint.resume == "auto" else None
         mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)
@@ -67,13 +70,15 @@ def train(cfg: TrainConfig) -> Path:
             else:
                 drain(actor.export_buckets(cfg.rollout.bucket_bytes))
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
-        elif driver:
+        resumed_step = state["step"]
+        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, resumed_step=resumed_step if latest else None)
+        if latest is None and driver:
             state["eval_before"] = driver.evaluate()
             logger.log(0, state["eval_before"], prefix="eval")
 
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
-            timer = StepTimer()
+            run.step, timer = step, StepTimer()
             exp = _broadcast(driver.collect(step, timer) if driver else None)  # generate, reward, advantage
             with timer("train"):
                 metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
@@ -88,7 +93,7 @@ def train(cfg: TrainConfig) -> Path:
             if driver:
                 state["sampler"] = driver.sampler.state_dict()
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
-                checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last)
+                checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last, cfg.parallel)
         if last < cfg.grpo.steps:
             _say(info.rank, f"stopped after step {last} (grpo.stop_after); the same command with a larger or no "
                             f"grpo.stop_after continues from here\n"
@@ -96,10 +101,8 @@ def train(cfg: TrainConfig) -> Path:
             return run_dir
 
         after = driver.evaluate() if driver else {}
-        if cfg.checkpoint.export_hf and not (run_dir / "hf").exists():
-            from megadiv.models.convert import write_hf_checkpoint
-
-            write_hf_checkpoint(actor.model, run_dir / "hf", start_dir, shard_bytes=2 << 30)
+        if cfg.checkpoint.export_hf:
+            checkpoint.export_hf(run_dir, actor, start_dir, state["step"], retrained=state["step"] > resumed_step)
         if driver:
             logger.log(cfg.grpo.steps, after, prefix="eval")
             _finish(run_dir, logger, state, after)
@@ -210,13 +213,10 @@ def _my_rows(rows: int, info) -> slice:
     return slice(info.dp_rank * per, (info.dp_rank + 1) * per)
 
 
-def _prepare_run_dir(cfg: TrainConfig, rank: int) -> Path:
-    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+def _write_run_config(cfg: TrainConfig, run_dir: Path, rank: int) -> None:
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     dist.barrier()
-    return run_dir
 
 
 def _finish(run_dir: Path, logger: MetricsLogger, state: dict, after: dict) -> None:

@@ -47,13 +47,18 @@ class MetricsLogger:
     """Appends one JSON object per step to ``metrics.jsonl``, mirrors scalars to TensorBoard and
     prints the progress line. ``enabled=False`` (ranks other than 0) makes every call a no-op."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int):
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, resumed_step: int | None = None):
+        """``resumed_step``: the checkpoint's step, whose records (and earlier ones) are kept; later
+        ones, written by the interrupted launch after its last checkpoint, are dropped from
+        metrics.jsonl and TensorBoard. None (a fresh start) drops every record."""
         self.run_dir, self.enabled, self.total_steps = run_dir, enabled, total_steps
         self._writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            keep_through = -1 if resumed_step is None else resumed_step
+            _truncate_records(run_dir / "metrics.jsonl", keep_through)
+            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=keep_through + 1)
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
         if not self.enabled:
@@ -95,7 +100,7 @@ def plot_curves(run_dir: Path, keys=("reward/mean", "eval/accuracy", "entropy", 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
     present = [k for k in keys if any(k in r for r in records)]
     if not present:
         return None
@@ -115,6 +120,27 @@ def plot_curves(run_dir: Path, keys=("reward/mean", "eval/accuracy", "entropy", 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of metrics.jsonl; a line that does not parse (torn by a kill mid-write) is skipped."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def _truncate_records(path: Path, keep_through: int) -> None:
+    """Rewrite ``path`` (atomically) with the records of steps <= ``keep_through``."""
+    if not path.exists():
+        return
+    kept = [r for r in read_records(path) if r.get("step", 0) <= keep_through]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.rename(path)
 
 
 def _json_number(v):

@@ -7,6 +7,7 @@ the reference model and the rollout engine all start from it, and a resumed run 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.models.convert import write_hf_checkpoint
 from megadiv.parallel import ParallelInfo
 from megadiv.trainer.config import TrainConfig
+from megadiv.trainer.lifecycle import NonFiniteError
 from megadiv.trainer.objectives import sft_objective
 from megadiv.trainer.policy import Policy, SequenceBatch
 
@@ -73,10 +75,12 @@ def supervised_warm_start(cfg: TrainConfig, hf_dir: str, out: Path, info: Parall
             [template.token_ids(r, tokenizer) for r in records],
             [tokenizer(str(r.answer), add_special_tokens=False)["input_ids"] + [eos] for r in records], pad_id=eos)
         metrics = policy.train_step(batch, sft_objective, micro)
+        if not math.isfinite(metrics["loss/nll"]):
+            raise NonFiniteError(f"warm start step {step}: the supervised loss is {metrics['loss/nll']} (model "
+                                 f"{hf_dir}, warm_start.sft_lr={ws.sft_lr}); check the weights and the learning rate")
         if info.rank == 0 and (step % 25 == 0 or step in (1, ws.sft_steps)):
             print(f"warm start {step}/{ws.sft_steps} | nll {metrics['loss/nll']:.4f}", flush=True)
     write_hf_checkpoint(policy.model, out, hf_dir, shard_bytes=2 << 30)
-
 
 
 def _largest_divisor_at_most(n: int, k: int) -> int:

@@ -1,0 +1,83 @@
+"""What can be known about a run before any rank starts, checked in seconds (``check-config`` and
+``megadiv train`` before launching): the data, the output directory, the model directory, and
+the checkpoint a resume would start from. Every error is a ConfigError naming the file.
+
+The config's own keys, types and combinations are checked when it is loaded (megadiv.config).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from megadiv.config import ConfigError
+from megadiv.data import DataConfig, load_dataset
+from megadiv.trainer.config import TrainConfig
+
+
+def preflight(cfg: TrainConfig) -> list[str]:
+    """Raise ConfigError for the first problem found; return notes for the user (where a resume
+    would start, checkpoints it would skip)."""
+    _check_data(cfg.data, "data")
+    if cfg.eval.data is not None:
+        _check_data(cfg.eval.data, "eval.data")
+    run_dir = Path(cfg.run.output_dir) / cfg.run.name
+    _check_writable(run_dir, "run.output_dir")
+    if cfg.model.has_checkpoint():
+        _check_model_dir(Path(cfg.model.hf_dir))
+    else:  # warm_start.make_model creates it (TrainConfig requires that)
+        _check_writable(Path(cfg.model.hf_dir), "model.hf_dir")
+    return _resume_notes(cfg, run_dir) if cfg.checkpoint.resume == "auto" else []
+
+
+def _check_data(data: DataConfig, section: str) -> None:
+    from megadiv.data.datasets import DatasetError
+
+    try:
+        dataset = load_dataset(data)
+    except (DatasetError, OSError) as e:
+        raise ConfigError(f"{section}: {e}") from None
+    if len(dataset) == 0:
+        raise ConfigError(f"{section}: {data.path or f'{data.name}/{data.split}'} holds no records")
+
+
+def _check_writable(path: Path, key: str) -> None:
+    """``path`` exists as a writable directory, or can be created (its nearest existing ancestor is
+    a writable directory). Creates nothing."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{key}: {probe} is not a directory, so {path} cannot be created")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot write in {probe} ({e.strerror or e})") from None
+
+
+def _check_model_dir(hf_dir: Path) -> None:
+    """config.json parses and describes a supported model; the safetensors files are complete and
+    hold every tensor of that model with its shape."""
+    from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
+    from megadiv.models.loading import SafetensorsCheckpoint, WeightMismatchError, check_checkpoint
+
+    arch = arch_from_hf_config(load_hf_config(hf_dir))
+    try:
+        ckpt = SafetensorsCheckpoint(hf_dir)  # opening checks each file's header against its size
+        try:
+            check_checkpoint(ckpt, arch)
+        finally:
+            ckpt.close()
+    except WeightMismatchError as e:
+        raise ConfigError(f"model.hf_dir: {e}") from None
+
+
+def _resume_notes(cfg: TrainConfig, run_dir: Path) -> list[str]:
+    from megadiv.models.checkpoint import CheckpointError
+    from megadiv.trainer.checkpoint import resume_point
+
+    try:
+        path, skipped = resume_point(run_dir, cfg.parallel)
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.resume=auto: {e}") from None
+    return skipped + ([f"resumes from {path}"] if path is not None else [])
