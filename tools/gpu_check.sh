@@ -5,7 +5,7 @@
 # item is reported as skipped. Python: $PYTHON, else the repository's .venv, else python3 (the
 # GPU machine's interpreter with torch). Exit: 0 no item failed, 1 some item failed, 2 usage.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
   echo "usage: bash tools/gpu_check.sh OUT_DIR [--only ITEM,ITEM] [--budget SECONDS] [--smoke]" >&2
   exit 2

@@ -27,7 +27,7 @@ mkdir -p .whl
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl "${WHEELS[@]}" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-count=$(ls .whl/*.whl | wc -l)
+count=$(find .whl -maxdepth 1 -name "*.whl" | wc -l)
 if [ "$count" -ne "${#WHEELS[@]}" ]; then
   echo "gpu_wheels: expected ${#WHEELS[@]} wheels in .whl/, found $count" >&2
   exit 1
@@ -35,7 +35,7 @@ fi
 wheels=$(cat .whl/*.whl | wc -c)
 # What else travels with a device call: tracked and untracked-not-ignored files.
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
-ls -l .whl/*.whl | awk '{printf "  %10d  %s\n", $5, $NF}'
+find .whl -maxdepth 1 -name "*.whl" -printf "  %10s  %f\n" | sort -k2
 echo "gpu_wheels: .whl/ holds $count wheels, $wheels bytes ($((wheels / 1024 / 1024)) MiB); with the working tree ($tree bytes): $(((wheels + tree) / 1024 / 1024)) MiB of the 64 MiB a device call carries"
 if [ $((wheels + tree)) -gt $LIMIT ]; then
   echo "gpu_wheels: ERROR: $((wheels + tree)) bytes exceed 64 MiB ($LIMIT bytes): the device call would be refused" >&2

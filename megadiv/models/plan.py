@@ -203,8 +203,9 @@ class StateBytes:
 
 
 def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0) -> StateBytes:
-    """Actor state on one rank (megadiv.trainer.policy: the distributed optimizer when DP > 1 and Adam)."""
-    distributed = dp > 1 and optimizer == "adam"
+    """Actor state on one rank (megadiv.trainer.policy: the distributed optimizer with Adam, at every
+    DP size, so that checkpoints have one format)."""
+    distributed = optimizer == "adam"
     layout = buffer_layout(params, distributed, dp)
     e = DTYPE_BYTES[params_dtype]
     owned = optimizer_shard_numel(layout, dp, dp_rank) if distributed else sum(p.numel for p in params)

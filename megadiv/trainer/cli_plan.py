@@ -102,7 +102,13 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,
         bucket_bytes=cfg.rollout.bucket_bytes,
         rank0_bucket_copies=max(len(cfg.rollout.server_urls), cfg.rollout.num_servers)
-        if cfg.rollout.engine != "embedded" and cfg.rollout.sync_method == "distributed" else 0)
+        if cfg.rollout.engine != "embedded" and _broadcasts(cfg.rollout.sync_method, colocated) else 0)
+
+
+def _broadcasts(sync_method: str, colocated: bool) -> bool:
+    """Whether weight syncs go through a broadcast group (rank 0 then holds a copy per server):
+    'auto' sends CUDA-IPC handles to a server on the trainer's GPUs (sglang_engine.resolve_sync_method)."""
+    return sync_method == "distributed" or (sync_method == "auto" and not colocated)
 
 
 def table(plan: Plan, args: argparse.Namespace, cfg: TrainConfig) -> str:

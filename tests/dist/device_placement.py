@@ -27,7 +27,7 @@ def _experience(rows: int, vocab: int) -> Experience:
     responses = [draw(1, 8) for _ in range(rows)]
     rewards = torch.randint(0, 2, (rows,), generator=g).float()
     return Experience(prompts, responses, [[-1.0] * len(r) for r in responses], rewards,
-                      rewards - rewards.mean(), {})
+                      rewards - rewards.mean(), torch.ones(rows), {})
 
 
 def placement_checks(ctx):
