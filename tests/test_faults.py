@@ -278,7 +278,7 @@ def test_bad_inputs_fail_before_launch_or_in_one_line(straight, tmp_path, capsys
     rc, err = check_config(capsys, "train", *base, "--nproc", "0")
     assert rc == 2 and "argument --nproc: must be >= 1, got 0" in err
     # the same refusal from train, before any rank starts (no torchrun in the output, in seconds)
-    rc, out = train(straight, "parallel.pipeline_parallel=2", nproc=2, ok=False)
+    rc, out = train(straight, "parallel.tensor_parallel=1", "parallel.pipeline_parallel=2", nproc=2, ok=False)
     lines = [line for line in out.splitlines() if line.startswith("megadiv")]
     assert rc == 2 and len(lines) == 1 and "was written with parallel.pipeline_parallel=1 (now 2)" in lines[0], out
     assert "Traceback" not in out and "ChildFailedError" not in out
