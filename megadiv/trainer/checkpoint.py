@@ -55,6 +55,18 @@ def layout_of(parallel: ParallelConfig) -> dict:
     return {k: getattr(parallel, k) for k in LAYOUT_KEYS}
 
 
+MIRROR_MAP = "mirror_map.json"
+
+
+def check_resumed_mirror_map(loss: PolicyLossConfig, run_dir: Path) -> None:
+    """A resumed run keeps its regulariser: raise ConfigError when the map pinned in ``run_dir``
+    differs from the configured one (also checked by preflight, before any rank starts)."""
+    path = run_dir / MIRROR_MAP
+    if loss.uses_mirror_map and path.is_file() and not torch.equal(load_vector(path), loss.mirror_map.vector()):
+        raise ConfigError(f"{path} (this run's mirror map) differs from loss.mirror_map={loss.mirror_map}; a "
+                          f"resumed run keeps its map: set loss.mirror_map.params={path} or start a new run.name")
+
+
 def fix_mirror_map(loss: PolicyLossConfig, run_dir: Path, resuming: bool) -> float | None:
     """Pin the run's mirror map (collective): write ``mirror_map.json`` on a fresh run; on a resumed
     run the saved map must be the configured one bit for bit (a resumed run never changes its
@@ -63,10 +75,9 @@ def fix_mirror_map(loss: PolicyLossConfig, run_dir: Path, resuming: bool) -> flo
     if not loss.uses_mirror_map:
         return None
     vec = loss.mirror_map.vector()
-    path = run_dir / "mirror_map.json"
-    if resuming and path.is_file() and not torch.equal(load_vector(path), vec):
-        raise ConfigError(f"{path} (this run's mirror map) differs from loss.mirror_map={loss.mirror_map}; a "
-                          f"resumed run keeps its map: set loss.mirror_map.params={path} or start a new run.name")
+    path = run_dir / MIRROR_MAP
+    if resuming:
+        check_resumed_mirror_map(loss, run_dir)
     if dist.get_rank() == 0 and not (resuming and path.is_file()):
         save_vector(vec, path)
     check_same_on_all_ranks(fingerprint(vec), "the mirror map")

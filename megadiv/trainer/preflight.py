@@ -1,6 +1,7 @@
 """What can be known about a run before any rank starts, checked in seconds (``check-config`` and
 ``megadiv train`` before launching): the data, the output directory, the model directory, and
-the checkpoint a resume would start from. Every error is a ConfigError naming the file.
+the checkpoint a resume would start from (and that it keeps its pinned mirror map). Every error is
+a ConfigError naming the file.
 
 The config's own keys, types and combinations are checked when it is loaded (megadiv.config).
 """
@@ -74,10 +75,12 @@ def _check_model_dir(hf_dir: Path) -> None:
 
 def _resume_notes(cfg: TrainConfig, run_dir: Path) -> list[str]:
     from megadiv.models.checkpoint import CheckpointError
-    from megadiv.trainer.checkpoint import resume_point
+    from megadiv.trainer.checkpoint import check_resumed_mirror_map, resume_point
 
     try:
         path, skipped = resume_point(run_dir, cfg.parallel)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.resume=auto: {e}") from None
+    if path is not None:
+        check_resumed_mirror_map(cfg.loss, run_dir)
     return skipped + ([f"resumes from {path}"] if path is not None else [])

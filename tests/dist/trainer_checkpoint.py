@@ -32,7 +32,7 @@ def save_then_continue(ctx):
     actor = Policy(ModelConfig(hf_dir=a["hf_dir"]), parallel, "actor", OPTIM, total_steps=3)
     for _ in range(2):
         _step(actor, info)
-    checkpoint.save_checkpoint(Path(a["run_dir"]), 2, actor, {"step": 2}, keep_last=1)
+    checkpoint.save_checkpoint(Path(a["run_dir"]), 2, actor, {"step": 2}, keep_last=1, parallel=parallel)
     third = _step(actor, info)
     return {"third": third, "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b},
             "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__}
@@ -44,7 +44,7 @@ def resume_and_step(ctx):
     parallel = ParallelConfig(tensor_parallel=a["tp"])
     info = initialize(parallel, seed=2)  # another seed: everything must come from the checkpoint
     actor = Policy(ModelConfig(hf_dir=a["hf_dir"]), parallel, "actor", OPTIM, total_steps=3)
-    state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(Path(a["run_dir"])), actor)
+    state = checkpoint.load_checkpoint(checkpoint.find_resume_point(Path(a["run_dir"]), parallel), actor)
     third = _step(actor, info)
     return {"state": state, "third": third, "dp_size": info.dp_size,
             "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b}}
