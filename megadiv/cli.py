@@ -37,7 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[verb][0])
     sub_parser = argparse.ArgumentParser(prog=f"megadiv {verb}", description=COMMANDS[verb][1])
     module.add_arguments(sub_parser)
-    return module.run(sub_parser.parse_args(rest)) or 0
+    return module.run(_parse(sub_parser, rest)) or 0
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Options may sit between positionals (``train CONFIG --nproc 2 key=value``); argparse
+    allows that only for a parser without subcommands of its own (``convert`` has them)."""
+    if any(isinstance(action, argparse._SubParsersAction) for action in parser._actions):
+        return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,9 @@ def test_cli_train_rejects_bad_config_before_starting_anything(yaml_file):
     assert bad_tp.returncode != 0 and "attention heads" in bad_tp.stderr
     bad_world = _megadiv("train", str(path), "parallel.tensor_parallel=2", "--nproc", "3")
     assert bad_world.returncode != 0 and "world size 3" in bad_world.stderr
+    # options may sit between the config and the overrides: the override after --nproc is still read
+    between = _megadiv("train", str(path), "--nproc", "3", "parallel.tensor_parallel=2")
+    assert between.returncode == 2 and "world size 3" in between.stderr
 
 
 def test_cli_help_lists_the_verbs():
