@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.builder import MegatronModel, build_model
@@ -119,14 +119,14 @@ class Policy:
         self.max_tokens, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
         if pack_sequences and max_tokens_per_micro_batch is None:
             raise ValueError("pack_sequences needs max_tokens_per_micro_batch")
-        # micro-batches of different shapes: the pipeline stages send each other the shape first
-        varying = max_tokens_per_micro_batch is not None and parallel_cfg.pipeline_parallel > 1
-        self.model: MegatronModel = build_model(
-            model_cfg, role=role, parallel=parallel_cfg,
-            config_overrides={"calculate_per_token_loss": True, "variable_seq_lengths": varying})
+        overrides = {"calculate_per_token_loss": True}
+        if max_tokens_per_micro_batch is not None and parallel_cfg.pipeline_parallel > 1:
+            # micro-batches of different shapes: the pipeline stages send each other the shape first.
+            # (megatron refuses that flag with its default MoE token dispatcher, even in a dense model)
+            overrides |= {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
+                                                config_overrides=overrides)
         if pack_sequences and not _runs_transformer_engine(self.model):
-            from megadiv.config import ConfigError
-
             raise ConfigError("grpo.pack_sequences needs the Transformer Engine layer spec (THD attention); this "
                               "model was built with megatron's local spec (no TE or no GPU here, or "
                               "model.transformer_impl=local)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import DIVERGENCES, PolicyLossConfig
 from megadiv.parallel import initialize
 from megadiv.trainer.micro_batches import row_lengths
@@ -33,7 +33,7 @@ def _one_step(actor: Policy, reference: Policy, batch: SequenceBatch, loss: Poli
     mbs = PADDED_MBS if actor.max_tokens is None else ROW_CAP
     batch.logp_ref = reference.log_probs(batch, mbs)
     logp_old = actor.log_probs(batch, mbs)
-    batch.logp_old = None if logp_old is None else logp_old - 0.05 * batch.loss_mask  # ratios != 1: clipping acts
+    batch.logp_old = None if logp_old is None else logp_old - 0.05 * batch.loss_mask.to(logp_old.device)  # ratios != 1
     # two steps: at the second the actor has moved away from the reference (KL, regulariser > 0)
     steps = [actor.train_step(batch, grpo_objective(loss), mbs, regularizer=regularizer, reference=reference)
              for _ in range(2)]
@@ -47,8 +47,7 @@ def budget_vs_padded(ctx):
     same weights on this replica's rows, padded (micro_batch_size 2, every row at the batch's
     width) and under the token budget (rows longest first, each micro-batch at its own width)."""
     a = ctx.args
-    parallel = ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"],
-                              sequence_parallel=a.get("sequence_parallel", False), stage_layers=a.get("stage_layers"))
+    parallel = ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"], stage_layers=a.get("stage_layers"))
     info = initialize(parallel, seed=1)
     model = ModelConfig(hf_dir=a["hf_dir"])
     per = len(RESPONSE_LENGTHS) // info.dp_size
@@ -58,8 +57,12 @@ def budget_vs_padded(ctx):
                   for path, budget in (("padded", None), ("budget", BUDGET))}
     runs = [(agg, None) for agg in AGGREGATIONS] + ([("token-mean", "full_prob_l2")] if a["pp"] == 1 else [])
     out = {"dp_size": info.dp_size, "lengths": row_lengths(batch.loss_mask).tolist(),
-           "micro_batches": len(batch.by_token_budget(BUDGET, ROW_CAP, references["budget"].seq_multiple)[0]),
-           "seq_multiple": references["budget"].seq_multiple}
+           "micro_batches": len(batch.by_token_budget(BUDGET, ROW_CAP)[0])}
+    if info.world_size == 1:  # megatron's local layer spec here: packing (THD) is refused, not run unpacked
+        try:
+            Policy(model, parallel, "reference", max_tokens_per_micro_batch=BUDGET, pack_sequences=True)
+        except ConfigError as e:
+            out["pack_refused"] = str(e)
     for agg, regularizer in runs:
         loss = PolicyLossConfig(policy_loss="clip", kl_coef=0.1, loss_agg=agg, regularizer=regularizer,
                                 regularizer_coef=0.5 if regularizer else 0.0)
@@ -68,4 +71,26 @@ def budget_vs_padded(ctx):
             path: _one_step(Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7,
                                    max_tokens_per_micro_batch=budget), references[path], batch, loss, vocab_div)
             for path, budget in (("padded", None), ("budget", BUDGET))}
+    return out
+
+
+def packed_vs_padded_on_gpu(ctx):
+    """One GPU, Transformer Engine layers, bf16: the padded path and the token budget with packed
+    rows (THD, packed_seq_params), from the same weights: reference and old log-probs, two SGD
+    steps, updated log-probs."""
+    a = ctx.args
+    parallel = ParallelConfig()
+    initialize(parallel, seed=1)
+    model = ModelConfig(hf_dir=a["hf_dir"], params_dtype="bfloat16", transformer_impl="transformer_engine")
+    loss = PolicyLossConfig(policy_loss="clip", kl_coef=0.1)
+    optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)
+    batch = skewed_batch()
+    out = {"lengths": row_lengths(batch.loss_mask).tolist()}
+    for path, budget in (("padded", None), ("packed", BUDGET)):
+        micro = dict(max_tokens_per_micro_batch=budget, pack_sequences=budget is not None)
+        reference = Policy(model, parallel, "reference", temperature=0.7, **micro)
+        actor = Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7, **micro)
+        result = _one_step(actor, reference, batch, loss, None)
+        out[path] = {k: ({n: t.float().cpu() for n, t in v.items()} if k == "weights" else
+                         v.float().cpu() if isinstance(v, torch.Tensor) else v) for k, v in result.items()}
     return out
