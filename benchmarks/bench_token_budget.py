@@ -15,13 +15,16 @@ as in RL rollouts). Per batch, both paths train the same rows from the same weig
 
 A timed step is ``Policy.train_step`` (forward, backward, optimizer step) after one warm-up step,
 median of --repeats, the two paths alternating. Trained tokens = the rows' real tokens (prompt +
-response); tokens/s = trained tokens / step time. Prints one line per batch with both figures and
-their ratio, and the tokens each path fed to the model.
+response); tokens/s = trained tokens / step time, by the wall clock and by the process's CPU time
+(one thread: on a shared machine CPU time is the steadier figure, wall time also counts the
+time the process waited for a core). Prints one line per batch with both paths, their ratios, and
+the tokens each path fed to the model.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -103,22 +106,24 @@ def main() -> None:
         for spread in ("uniform", "log-uniform"):
             batch = skewed_batch(args.rows, args.prompt_tokens, args.max_response, spread, args.vocab)
             trained = int(row_lengths(batch.loss_mask).sum())
-            seconds = {path: [] for path in actors}
+            seconds = {(path, clock): [] for path in actors for clock in ("wall", "cpu")}
             for repeat in range(args.repeats + 1):  # the first round warms up
                 for path, actor in actors.items():
-                    start = time.perf_counter()
+                    wall, cpu = time.perf_counter(), time.process_time()
                     metrics = actor.train_step(batch, loss, args.micro_batch_size if path == "padded" else len(batch))
                     if repeat:
-                        seconds[path].append(time.perf_counter() - start)
+                        seconds[path, "wall"].append(time.perf_counter() - wall)
+                        seconds[path, "cpu"].append(time.process_time() - cpu)
                     assert metrics["skipped"] == 0.0
-            rate = {path: trained / statistics.median(s) for path, s in seconds.items()}
-            fed = {path: fed_tokens(batch, budget if path == "budget" else None)
-                   for path in actors}
-            print(f"{spread:>11}: trained tokens {trained}; fed tokens padded {fed['padded']} / budget "
-                  f"{fed['budget']}; tokens/s padded {rate['padded']:.0f}, budget {rate['budget']:.0f}; "
-                  f"ratio {rate['budget'] / rate['padded']:.2f}x  (step s padded "
-                  f"{[round(s, 3) for s in seconds['padded']]}, budget {[round(s, 3) for s in seconds['budget']]})",
-                  flush=True)
+            rate = {key: trained / statistics.median(s) for key, s in seconds.items()}
+            fed = {path: fed_tokens(batch, budget if path == "budget" else None) for path in actors}
+            print(f"{spread:>11}: trained tokens {trained}; fed tokens padded {fed['padded']}, budget {fed['budget']} "
+                  f"(ratio {fed['padded'] / fed['budget']:.2f}); load average {os.getloadavg()[0]:.1f}")
+            for clock in ("wall", "cpu"):
+                print(f"{'':>13}{clock:>4} tokens/s: padded {rate['padded', clock]:.0f}, budget "
+                      f"{rate['budget', clock]:.0f}, ratio {rate['budget', clock] / rate['padded', clock]:.2f}x  "
+                      f"(step s padded {[round(s, 2) for s in seconds['padded', clock]]}, budget "
+                      f"{[round(s, 2) for s in seconds['budget', clock]]})", flush=True)
     shutdown()
 
 
