@@ -79,9 +79,9 @@ def _cfg(**over):
 
     parallel = over.pop("parallel", ParallelConfig())
     model = over.pop("model", {})
-    return TrainConfig(model=ModelConfig(hf_dir="/nonexistent", **model), warm_start=WarmStartConfig(make_model="qwen2"),
-                       rollout=RolloutConfig(max_new_tokens=64), parallel=parallel,
-                       grpo=GRPOConfig(prompts_per_step=2, micro_batch_size=3, **over))
+    return TrainConfig(model=ModelConfig(hf_dir="/nonexistent", **model),
+                       warm_start=WarmStartConfig(make_model="qwen2"), rollout=RolloutConfig(max_new_tokens=64),
+                       parallel=parallel, grpo=GRPOConfig(prompts_per_step=2, micro_batch_size=3, **over))
 
 
 def test_config_checks_the_budget():

@@ -99,14 +99,13 @@ class ModelInput:
         positions[:real] = col_of
         seq_lens = lengths.clone()
         seq_lens[-1] += total - real  # the rounding pads the last row
-        positions[real:] = torch.arange(lengths[-1], seq_lens[-1], device=tokens.device)
+        positions[real:] = torch.arange(int(lengths[-1]), int(seq_lens[-1]), device=tokens.device)
         cu_seqlens = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)  # [b + 1]
         max_len = int(seq_lens.max())
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=max_len, max_seqlen_kv=max_len)
         return cls(tokens=flat[None], positions=positions[None], rows=tokens.shape[0], width=tokens.shape[1],
-                   packed_seq_params=params,
-                   row_of=row_of, col_of=col_of)
+                   packed_seq_params=params, row_of=row_of, col_of=col_of)
 
     def next_tokens(self) -> torch.Tensor:
         """The token each position predicts, in the model's layout ([b, w] or [1, T]); the last

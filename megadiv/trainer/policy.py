@@ -372,4 +372,5 @@ def _runs_transformer_engine(model: MegatronModel) -> bool:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     layer = next(m for m in model.gpt_models[0].modules() if isinstance(m, TransformerLayer))
-    return type(layer.self_attention.core_attention).__module__.startswith("megatron.core.extensions.transformer_engine")
+    module = type(layer.self_attention.core_attention).__module__
+    return module.startswith("megatron.core.extensions.transformer_engine")
