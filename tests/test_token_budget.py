@@ -2,6 +2,8 @@
 and training equal to the padded path at TP=1, TP=2, PP=2 and DP=2."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -185,3 +187,22 @@ def test_packing_is_refused_without_transformer_engine(layout):
     name, results = layout
     if name == "tp1":
         assert "grpo.pack_sequences needs the Transformer Engine layer spec" in results[0]["pack_refused"]
+
+
+@pytest.mark.slow
+def test_grpo_steps_under_a_token_budget_at_pp2(tmp_path):
+    """``megadiv train`` end to end at PP=2 with a token budget: micro-batches of varying shapes
+    through the pipeline (reference-free on-policy steps, old log-probs for two mini-batches, the
+    post-sync probe), every step applied, and the engine serving the trainer's weights."""
+    from tests.test_trainer import megadiv_train, step_records
+
+    run = tmp_path / "budget"
+    out = megadiv_train(run, "grpo.steps=2", "grpo.mini_batches=2", "eval.every=0", "eval.samples=0",
+                        "parallel.tensor_parallel=1", "parallel.pipeline_parallel=2",
+                        "grpo.max_tokens_per_micro_batch=24",
+                        "grpo.overlong_buffer=3", nproc=2)  # a reward signal: see test_trainer_features.py
+    steps = step_records(run)
+    assert [r["step"] for r in steps] == [1, 2] and "step 2/2 | " in out
+    for r in steps:
+        assert r["skipped"] == 0 and math.isfinite(r["loss/total"]) and r["grad_norm"] > 0
+        assert r["sync/probe_abs_diff_mean"] < 1e-4

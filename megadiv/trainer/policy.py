@@ -76,7 +76,9 @@ class SequenceBatch:
         [b, S]: the policy feeds it at its own width. Also the row order: the micro-batches
         concatenated are ``self.rows(order)``."""
         groups = token_budget_groups(row_lengths(self.loss_mask).tolist(), max_tokens, max_rows, multiple)
-        return [self.rows(torch.tensor(g)) for g in groups], torch.tensor([i for g in groups for i in g])
+        host = torch.device("cpu")  # row indices: they index host and device fields alike
+        return ([self.rows(torch.tensor(g, device=host)) for g in groups],
+                torch.tensor([i for g in groups for i in g], device=host))
 
     def to(self, device: torch.device) -> "SequenceBatch":
         return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
