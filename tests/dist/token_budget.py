@@ -75,9 +75,9 @@ def budget_vs_padded(ctx):
 
 
 def packed_vs_padded_on_gpu(ctx):
-    """One GPU, Transformer Engine layers, bf16: the padded path and the token budget with packed
-    rows (THD, packed_seq_params), from the same weights: reference and old log-probs, two SGD
-    steps, updated log-probs."""
+    """One GPU, Transformer Engine layers, bf16: the padded path, the token budget (each micro-batch
+    at its own width) and the token budget with packed rows (THD, packed_seq_params), from the same
+    weights: reference and old log-probs, two SGD steps, updated log-probs."""
     a = ctx.args
     parallel = ParallelConfig()
     initialize(parallel, seed=1)
@@ -86,8 +86,8 @@ def packed_vs_padded_on_gpu(ctx):
     optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)
     batch = skewed_batch()
     out = {"lengths": row_lengths(batch.loss_mask).tolist()}
-    for path, budget in (("padded", None), ("packed", BUDGET)):
-        micro = dict(max_tokens_per_micro_batch=budget, pack_sequences=budget is not None)
+    for path, budget, pack in (("padded", None, False), ("budget", BUDGET, False), ("packed", BUDGET, True)):
+        micro = dict(max_tokens_per_micro_batch=budget, pack_sequences=pack)
         reference = Policy(model, parallel, "reference", temperature=0.7, **micro)
         actor = Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7, **micro)
         result = _one_step(actor, reference, batch, loss, None)
