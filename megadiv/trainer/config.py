@@ -38,7 +38,17 @@ class GRPOConfig:
     prompts_per_step: int = 64
     """Prompts per rollout batch; each gets rollout.n_samples responses."""
     micro_batch_size: int = 8
-    """Sequences per micro-batch through megatron's pipeline schedule."""
+    """Sequences per micro-batch through megatron's pipeline schedule (with
+    max_tokens_per_micro_batch: the most sequences per micro-batch)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget per micro-batch (verl's dynamic batch size): each mini-batch's rows, sorted by
+    length, are grouped into micro-batches of at most this many padded tokens (rows x longest row),
+    each padded only to its own longest row; losses are unchanged. None: micro_batch_size rows
+    each, all padded to the batch's longest row. At least rollout.max_new_tokens + 1; a row longer
+    than the budget (a long prompt) forms a micro-batch alone."""
+    pack_sequences: bool = False
+    """With a token budget: feed each micro-batch's rows concatenated, without padding (THD layout,
+    Transformer Engine attention with packed_seq_params; needs TE on a GPU)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
@@ -80,6 +90,12 @@ class GRPOConfig:
             raise ConfigError(f"grpo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ConfigError(f"grpo.stop_after must lie in [1, grpo.steps={self.steps}], got {self.stop_after}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"grpo.max_tokens_per_micro_batch must be >= 1 (or null), got "
+                              f"{self.max_tokens_per_micro_batch}")
+        if self.pack_sequences and self.max_tokens_per_micro_batch is None:
+            raise ConfigError("grpo.pack_sequences packs the micro-batches of a token budget: set "
+                              "grpo.max_tokens_per_micro_batch too")
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,7 @@ class TrainConfig:
             raise ConfigError(f"advantage.group_size ({self.advantage.group_size}) must equal rollout.n_samples "
                               f"({self.rollout.n_samples}): both are the GRPO group size")
         self._check_batch_split(data_parallel=1)
+        self._check_token_budget()
         if self.uses_vocab_regularizer and self.parallel.pipeline_parallel > 1:
             raise ConfigError(f"loss.regularizer={self.loss.regularizer} is a full-vocabulary measure: it needs the "
                               f"reference logits beside the actor's and supports parallel.pipeline_parallel=1 only")
@@ -208,13 +225,37 @@ class TrainConfig:
                               f"responses do not split{where}")
         per_replica = rows // data_parallel
         share = f"each replica's {per_replica} of the " if data_parallel > 1 else "the "
-        if per_replica % g.mini_batches or (per_replica // g.mini_batches) % g.micro_batch_size:
+        whole = g.max_tokens_per_micro_batch is not None or (per_replica // g.mini_batches) % g.micro_batch_size == 0
+        if per_replica % g.mini_batches or not whole:
             raise ConfigError(
                 f"{share}grpo.prompts_per_step * rollout.n_samples = {g.prompts_per_step} * {n} = {rows} responses"
                 f"{where} must split into grpo.mini_batches={g.mini_batches} mini-batches of whole "
                 f"grpo.micro_batch_size={g.micro_batch_size} micro-batches")
         if self.warm_start.sft_steps and self.warm_start.sft_batch_size % data_parallel:
             raise ConfigError(f"warm_start.sft_batch_size={self.warm_start.sft_batch_size} does not split{where}")
+
+    def _check_token_budget(self) -> None:
+        """A budget must hold one full-length row (at least one prompt token + max_new_tokens,
+        rounded up to the model's sequence multiple); packing needs Transformer Engine's attention."""
+        from megadiv.trainer.micro_batches import round_up
+        from megadiv.trainer.policy import sequence_multiple
+
+        budget = self.grpo.max_tokens_per_micro_batch
+        if budget is None:
+            return
+        multiple = sequence_multiple(self.model, self.parallel)
+        longest = round_up(1 + self.rollout.max_new_tokens, multiple)
+        if budget < longest:
+            raise ConfigError(f"grpo.max_tokens_per_micro_batch={budget} cannot hold one full-length row: 1 prompt "
+                              f"token + rollout.max_new_tokens={self.rollout.max_new_tokens}, rounded up to the "
+                              f"sequence multiple {multiple}, is {longest} tokens")
+        if self.parallel.virtual_pipeline is not None:
+            raise ConfigError("grpo.max_tokens_per_micro_batch cannot be combined with parallel.virtual_pipeline: "
+                              "the interleaved schedule needs a micro-batch count that is a multiple of "
+                              "parallel.pipeline_parallel, which a token budget does not fix")
+        if self.grpo.pack_sequences and self.model.transformer_impl == "local":
+            raise ConfigError("grpo.pack_sequences needs Transformer Engine attention (THD); "
+                              "model.transformer_impl is 'local'")
 
     @property
     def uses_vocab_regularizer(self) -> bool:

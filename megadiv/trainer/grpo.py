@@ -47,10 +47,12 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         start_dir = starting_checkpoint(cfg, run_dir, info)
         model_cfg = ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir})
         updates_per_step = cfg.grpo.ppo_epochs * cfg.grpo.mini_batches
+        micro = dict(max_tokens_per_micro_batch=cfg.grpo.max_tokens_per_micro_batch,
+                     pack_sequences=cfg.grpo.pack_sequences)  # how rows become micro-batches
         actor = Policy(model_cfg, cfg.parallel, "actor", cfg.optim, cfg.grpo.steps * updates_per_step,
-                       cfg.grpo.log_probs_chunk, cfg.rollout.temperature)
+                       cfg.grpo.log_probs_chunk, cfg.rollout.temperature, **micro)
         reference = (Policy(model_cfg, cfg.parallel, "reference", log_probs_chunk=cfg.grpo.log_probs_chunk,
-                            temperature=cfg.rollout.temperature) if cfg.needs_reference else None)
+                            temperature=cfg.rollout.temperature, **micro) if cfg.needs_reference else None)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(start_dir)

@@ -8,6 +8,10 @@ Sequences are [B, S] token rows (prompt + response, right-padded). Position t of
 token t+1, so every per-token tensor is [B, S] aligned with the *predicting* position:
 ``loss_mask[b, t] = 1`` when ``tokens[b, t+1]`` is a response token.
 
+Micro-batches: ``micro_batch_size`` rows each, all padded to the batch's longest row, or, with a
+token budget (``max_tokens_per_micro_batch``), rows grouped by length and each micro-batch fed
+at its own longest row, or packed without padding (THD, Transformer Engine): micro_batches.py.
+
 Loss scaling (the one Megatron-specific piece): megatron runs with ``calculate_per_token_loss``,
 so each micro-batch's loss function returns an aggregation *numerator* and its share of the
 *denominator* (tokens, sequences or B * L, depending on ``loss_agg``); megatron sums both over
@@ -24,10 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.builder import MegatronModel, build_model
+from megadiv.trainer.micro_batches import ModelInput, round_up, row_lengths, token_budget_groups
 
 if TYPE_CHECKING:
     from megadiv.trainer.objectives import LossFn
@@ -64,6 +69,17 @@ class SequenceBatch:
             raise ValueError(f"{len(self)} rows do not split into micro-batches of {size}")
         return self.split(len(self) // size)
 
+    def by_token_budget(self, max_tokens: int, max_rows: int, multiple: int = 1
+                        ) -> tuple[list["SequenceBatch"], torch.Tensor]:
+        """Micro-batches of at most ``max_tokens`` padded tokens (rows x longest row rounded up to
+        ``multiple``) and ``max_rows`` rows, rows longest first (micro_batches.py), each still
+        [b, S]: the policy feeds it at its own width. Also the row order: the micro-batches
+        concatenated are ``self.rows(order)``."""
+        groups = token_budget_groups(row_lengths(self.loss_mask).tolist(), max_tokens, max_rows, multiple)
+        host = torch.device("cpu")  # row indices: they index host and device fields alike
+        return ([self.rows(torch.tensor(g, device=host)) for g in groups],
+                torch.tensor([i for g in groups for i in g], device=host))
+
     def to(self, device: torch.device) -> "SequenceBatch":
         return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
                                 for f in fields(self)})
@@ -95,14 +111,27 @@ class Policy:
 
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
+                 pack_sequences: bool = False):
         from megatron.core import parallel_state
 
         self.role = role
         self.log_probs_chunk = log_probs_chunk
         self.temperature = temperature
-        self.model: MegatronModel = build_model(
-            model_cfg, role=role, parallel=parallel_cfg, config_overrides={"calculate_per_token_loss": True})
+        self.max_tokens, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
+        if pack_sequences and max_tokens_per_micro_batch is None:
+            raise ValueError("pack_sequences needs max_tokens_per_micro_batch")
+        overrides = {"calculate_per_token_loss": True}
+        if max_tokens_per_micro_batch is not None and parallel_cfg.pipeline_parallel > 1:
+            # micro-batches of different shapes: the pipeline stages send each other the shape first.
+            # (megatron refuses that flag with its default MoE token dispatcher, even in a dense model)
+            overrides |= {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
+                                                config_overrides=overrides)
+        if pack_sequences and not _runs_transformer_engine(self.model):
+            raise ConfigError("grpo.pack_sequences needs the Transformer Engine layer spec (THD attention); this "
+                              "model was built with megatron's local spec (no TE or no GPU here, or "
+                              "model.transformer_impl=local)")
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
@@ -150,49 +179,67 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
+    def _micro_batches(self, batch: SequenceBatch, micro_batch_size: int
+                       ) -> tuple[list[SequenceBatch], list[ModelInput], torch.Tensor | None]:
+        """``batch``'s micro-batches (on the model's device), what the model reads for each, and
+        the row order they hold (None: the batch order). Fixed: ``micro_batch_size`` rows each,
+        all at the batch's width. Token budget: see SequenceBatch.by_token_budget, each at its own
+        width (padded) or packed; ``micro_batch_size`` caps the rows."""
+        if self.max_tokens is None:
+            width = round_up(batch.tokens.shape[1], self.seq_multiple)
+            micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
+            return micro, [ModelInput.padded(mb.tokens, width) for mb in micro], None
+        parts, order = batch.by_token_budget(self.max_tokens, micro_batch_size, self.seq_multiple)
+        micro = [mb.to(self.device) for mb in parts]
+        lengths = [row_lengths(mb.loss_mask) for mb in micro]
+        if self.pack_sequences:
+            inputs = [ModelInput.packed(mb.tokens, n, self.seq_multiple) for mb, n in zip(micro, lengths)]
+        else:  # the rows come longest first: the first row's length is the micro-batch's
+            inputs = [ModelInput.padded(mb.tokens, round_up(int(n[0]), self.seq_multiple))
+                      for mb, n in zip(micro, lengths)]
+        return micro, inputs, order.to(self.device)
+
     def _run_schedule(self, batch: SequenceBatch, micro_batch_size: int, loss_func, forward_only: bool,
-                      extra_forward=None) -> list[dict]:
+                      extra_forward=None) -> tuple[list[dict], torch.Tensor | None]:
         """Push ``batch`` through megatron's pipeline schedule; returns the last stage's per-micro-batch
-        dicts (empty elsewhere). ``loss_func(mb, logits, extra)`` gets the micro-batch on the model's
-        device and the logits shard [b, s', V/TP] of its tokens right-padded to s' (a multiple of
-        ``seq_multiple``: FP8 / sequence-parallel shape rules); ``extra_forward(tokens)`` gets the
-        padded tokens."""
+        dicts (empty elsewhere) and the row order of the micro-batches (None: the batch order).
+        ``loss_func(mb, x, logits, extra)`` gets the micro-batch on the model's device, its
+        ModelInput ``x`` (padded to a multiple of ``seq_multiple``: FP8 / sequence-parallel shape
+        rules) and the logits shard [b, w, V/TP] (packed: [1, T, V/TP]); ``extra_forward(x)``
+        gets the ModelInput too."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
-        seq_len = -(-batch.tokens.shape[1] // self.seq_multiple) * self.seq_multiple
+        micro, inputs, order = self._micro_batches(batch, micro_batch_size)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            tokens = _pad_columns(mb.tokens, seq_len)
-            output = model(tokens, self._positions(tokens), attention_mask=None)
-            extra = extra_forward(tokens) if (extra_forward is not None and self.is_last_stage) else None
-            return output, partial(loss_func, mb, extra=extra)
+            mb, x = next(data_iterator)
+            output = model(x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
+            extra = extra_forward(x) if (extra_forward is not None and self.is_last_stage) else None
+            return output, partial(loss_func, mb, x, extra=extra)
 
+        # the shape of the first micro-batch; the others' travel with them (variable_seq_lengths)
+        rows, seq_len = inputs[0].tokens.shape
         context = torch.no_grad() if forward_only else torch.enable_grad()
         with context:
-            return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro), model=self.chunks,
-                num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=micro_batch_size,
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(zip(micro, inputs))), model=self.chunks,
+                num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=rows,
                 forward_only=forward_only)
+        return out, order
 
-    def _token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
+    def _token_log_probs(self, logits: torch.Tensor, x: ModelInput, with_entropy: bool,
                          inplace_backward: bool = False):
-        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s], from the vocab shard
-        [b, s', V/TP] of the (possibly padded, s' >= s) sequences whose first s positions are
-        ``tokens``. ``inplace_backward`` writes the gradient into the logits' storage (as megatron's
-        cross entropy does): one [tokens, V/TP] buffer less, allowed when nothing else uses the logits."""
-        target = _pad_columns(torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1), logits.shape[1])  # last: masked
+        """log p(tokens[t+1] | tokens[:t+1]) and entropy as [b, S] rows (x.to_rows), from the vocab
+        shard [b, w, V/TP] (packed: [1, T, V/TP]) of the tokens the model read.
+        ``inplace_backward`` writes the gradient into the logits' storage (as megatron's cross
+        entropy does): one [tokens, V/TP] buffer less, allowed when nothing else uses the logits."""
         kwargs = dict(group=self.tp_group, vocab_start=self.vocab_start, vocab_size=self.model.vocab_size,
                       chunk_size=self.log_probs_chunk, inplace_backward=inplace_backward)
-        s = tokens.shape[1]  # positions past s are shape padding: cut before any loss or metric sees them
+        # positions past a row's end predict padding: to_rows zeroes them (and the loss masks them)
         if with_entropy:
-            logp, ent = vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
-            return logp[:, :s], ent[:, :s]
-        return vocab_parallel.log_probs(logits, target, **kwargs)[:, :s], None
-
-    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            logp, ent = vocab_parallel.log_probs_and_entropy(logits, x.next_tokens(), **kwargs)
+            return x.to_rows(logp), x.to_rows(ent)
+        return x.to_rows(vocab_parallel.log_probs(logits, x.next_tokens(), **kwargs)), None
 
     def _tempered(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """logits / T in float32: log-probs of the distribution the rollout engine sampled from
@@ -205,18 +252,21 @@ class Policy:
                   temperature: float | None = None) -> torch.Tensor | None:
         """[B, S] log-probs of each next token at ``temperature`` (default: the rollout's), on the
         last pipeline stage; None on the others."""
-        def loss_func(mb, logits, extra=None):
-            logp, _ = self._token_log_probs(self._tempered(logits, temperature), mb.tokens, with_entropy=False)
+        def loss_func(mb, x, logits, extra=None):
+            logp, _ = self._token_log_probs(self._tempered(logits, temperature), x, with_entropy=False)
             return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), {"logp": logp}
 
-        out = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True)
-        return torch.cat([o["logp"] for o in out]) if self.is_last_stage else None
+        out, order = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True)
+        if not self.is_last_stage:
+            return None
+        logp = torch.cat([o["logp"] for o in out])
+        return logp if order is None else torch.empty_like(logp).index_copy_(0, order, logp)  # batch order
 
-    def logits_for(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logit shard [B, S, V/TP] of this rank for ``tokens`` [B, S] (already on this model's
-        device and padded as the schedule pads them), without grad (reference model at PP=1 only)."""
+    def logits_for(self, x: ModelInput) -> torch.Tensor:
+        """Logit shard [b, w, V/TP] (packed: [1, T, V/TP]) of this rank for what the actor's
+        schedule feeds (on this model's device), without grad (reference model at PP=1 only)."""
         with torch.no_grad():
-            return self.chunks[0](tokens, self._positions(tokens), attention_mask=None)
+            return self.chunks[0](x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
 
     # ------------------------------------------------------------------ training
 
@@ -225,15 +275,13 @@ class Policy:
         """One optimizer step of ``loss_fn`` (see objectives.py) on ``batch``. Skips the update, and
         reports ``skipped=1``, when any gradient is not finite. A full-vocabulary ``regularizer``
         D(pi_theta, pi_ref) is evaluated on the actor's and ``reference``'s logit shards (PP=1)."""
-        def loss_func(mb, logits, extra=None):
+        def loss_func(mb, x, logits, extra=None):
             logits = self._tempered(logits)
-            logp, ent = self._token_log_probs(logits, mb.tokens, with_entropy=True,
-                                              inplace_backward=regularizer is None)
+            logp, ent = self._token_log_probs(logits, x, with_entropy=True, inplace_backward=regularizer is None)
             vocab_div = None
             if regularizer is not None:
-                vocab_div = regularizer(logits, self._tempered(extra), group=self.tp_group,
-                                        vocab_start=self.vocab_start,
-                                        vocab_size=self.model.vocab_size)[:, :mb.tokens.shape[1]]
+                vocab_div = x.to_rows(regularizer(logits, self._tempered(extra), group=self.tp_group,
+                                                  vocab_start=self.vocab_start, vocab_size=self.model.vocab_size))
             numerator, denominator, metrics = loss_fn(mb, logp, ent.detach(), vocab_div)
             # loss/* metrics are numerators too: per micro-batch means, weighted by the denominator
             # in _reduce_metrics; the other metrics are token means, weighted by the token count.
@@ -247,7 +295,7 @@ class Policy:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         extra = reference.logits_for if regularizer is not None else None
-        out = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=False, extra_forward=extra)
+        out, _ = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=False, extra_forward=extra)
 
         grad_norm = float("nan")
         finite = self._grads_finite()
@@ -321,7 +369,10 @@ def sequence_multiple(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> i
     return tp if parallel_cfg.sequence_parallel else 1
 
 
-def _pad_columns(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, S] -> [B, length], right-padded with zeros (token 0 at positions no loss reads: causal
-    attention keeps the first S positions exactly as they were)."""
-    return x if x.shape[1] == length else torch.nn.functional.pad(x, (0, length - x.shape[1]))
+def _runs_transformer_engine(model: MegatronModel) -> bool:
+    """Whether the model's attention is Transformer Engine's (the one that reads THD packing)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layer = next(m for m in model.gpt_models[0].modules() if isinstance(m, TransformerLayer))
+    module = type(layer.self_attention.core_attention).__module__
+    return module.startswith("megatron.core.extensions.transformer_engine")

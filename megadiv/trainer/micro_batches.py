@@ -1,0 +1,122 @@
+"""Micro-batches without compute on padding: token-budget grouping and the model's input layout.
+
+A batch's rows are right-padded to its longest row S. With a token budget (verl's dynamic batch
+size), the rows are sorted longest first and cut into runs whose padded size, rows x the run's
+longest row (rounded up to the model's sequence multiple), stays within the budget; each
+micro-batch is then fed to the model at its own width w <= S instead of S:
+
+    lengths  [9, 2, 8, 3, 2, 1]   budget 18   ->   rows [[0, 2], [3, 1, 4, 5]]   widths [9, 3]
+    padded tokens: 6 x 9 = 54 at one fixed width, 2 x 9 + 4 x 3 = 30 here
+
+With Transformer Engine, packing goes further: a micro-batch's rows are concatenated into one
+row of T = sum(lengths) tokens (THD layout), and attention is kept within each row by
+``packed_seq_params`` (cumulative sequence lengths), so nothing is padded at all.
+
+Whatever the layout, per-token results come back as [b, S] rows (:meth:`ModelInput.to_rows`), so
+the loss functions see exactly the tensors of the padded path and every loss aggregation is
+unchanged (policy.py sums numerators and denominators over micro-batches).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def row_lengths(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Tokens of each row before right-padding, [B, S] -> [B] int64, read off the loss mask: the
+    last position that predicts a response token is length - 2 (see policy.py). A row without
+    response tokens counts as 1 token (nothing reads its values; it keeps a place in its batch)."""
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    last = torch.where(loss_mask > 0, positions, -1).amax(-1)  # -1: no response token
+    return (last + 2).clamp(min=1)
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int, max_rows: int, multiple: int = 1) -> list[list[int]]:
+    """Row indices of each micro-batch: rows longest first (ties in batch order), each micro-batch
+    the longest run of them with rows x round_up(longest, multiple) <= ``max_tokens`` and at most
+    ``max_rows`` rows. Greedy on the sorted rows gives the fewest micro-batches of any cut into
+    runs; the longest rows come first, so a budget too large for the device fails at once. A row
+    longer than the budget alone forms a micro-batch."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            group = groups[-1]
+            width = round_up(lengths[group[0]], multiple)  # the run's longest row comes first
+            if len(group) < max_rows and (len(group) + 1) * width <= max_tokens:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+@dataclass
+class ModelInput:
+    """What the model reads for one micro-batch of b rows of width S, and the way back to rows.
+
+    Padded: ``tokens`` [b, w], the rows cut (or padded) to width w, a multiple of the sequence
+    multiple; positions 0..w-1 in every row. Packed (THD): ``tokens`` [1, T], the rows' real
+    tokens one after another (T rounded up to the multiple by extending the last row: causal
+    attention keeps its real positions as they were); positions restart at 0 in every row.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    rows: int                                 # b
+    width: int                                # S: the rows' width in the batch
+    packed_seq_params: object | None = None   # megatron PackedSeqParams (THD) or None
+    row_of: torch.Tensor | None = None        # packed: [n] row of packed position p < n
+    col_of: torch.Tensor | None = None        # packed: [n] its column in that row
+
+    @classmethod
+    def padded(cls, tokens: torch.Tensor, width: int) -> "ModelInput":
+        """[b, S] rows fed at width ``width`` (< S drops padding columns, > S adds zeros: token 0 at
+        positions no loss reads)."""
+        cut = tokens[:, :width]
+        cut = torch.nn.functional.pad(cut, (0, width - cut.shape[1])) if cut.shape[1] < width else cut
+        positions = torch.arange(width, device=tokens.device).unsqueeze(0).expand_as(cut)
+        return cls(tokens=cut, positions=positions, rows=tokens.shape[0], width=tokens.shape[1])
+
+    @classmethod
+    def packed(cls, tokens: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> "ModelInput":
+        """[b, S] rows with ``lengths`` [b] real tokens each, packed into [1, T] for Transformer
+        Engine's THD attention (megatron's PackedSeqParams with cumulative lengths)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lengths = lengths.to(tokens.device)
+        real = int(lengths.sum())
+        total = round_up(real, multiple)
+        keep = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]  # [b, S]
+        row_of, col_of = keep.nonzero(as_tuple=True)  # row-major: row 0's tokens, then row 1's, ...
+        flat = torch.zeros(total, dtype=tokens.dtype, device=tokens.device)
+        flat[:real] = tokens[row_of, col_of]
+        positions = torch.zeros(total, dtype=torch.long, device=tokens.device)
+        positions[:real] = col_of
+        seq_lens = lengths.clone()
+        seq_lens[-1] += total - real  # the rounding pads the last row
+        positions[real:] = torch.arange(int(lengths[-1]), int(seq_lens[-1]), device=tokens.device)
+        cu_seqlens = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)  # [b + 1]
+        max_len = int(seq_lens.max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        return cls(tokens=flat[None], positions=positions[None], rows=tokens.shape[0], width=tokens.shape[1],
+                   packed_seq_params=params, row_of=row_of, col_of=col_of)
+
+    def next_tokens(self) -> torch.Tensor:
+        """The token each position predicts, in the model's layout ([b, w] or [1, T]); the last
+        position of a row predicts padding or the next packed row: no loss reads it."""
+        return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values in the model's layout ([b, w'] or [1, T'], w' >= w: the logits'
+        width) -> [b, S] rows, zeros past each row's fed tokens; differentiable."""
+        if self.packed_seq_params is None:
+            values = values[:, :min(self.tokens.shape[1], self.width)]
+            return torch.nn.functional.pad(values, (0, self.width - values.shape[1]))
+        rows = values.new_zeros(self.rows, self.width)
+        return rows.index_put((self.row_of, self.col_of), values[0, :self.row_of.numel()])
