@@ -217,6 +217,8 @@ def test_megatron_pp2_dp2_logits_and_bit_exact_round_trip(smollm2_hf, tmp_path_f
     assert res["roundtrip_exact/pp2"]
     assert {"model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja"} <= \
         set(res["roundtrip_files/pp2"])
+    assert res["error/tp2"].startswith("ConfigError: tensor_parallel=2 does not divide the 3 key/value heads"), \
+        res["error/tp2"]
 
 
 @pytest.mark.slow  # one 3-rank launch: ~1.5 min on 2 cores

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.dist.models import (SEQ, _export, _hf_logits, _hf_tensors, _layout, _megatron_logits, _same_tensors,
-                               _shared_tmp)
+from tests.dist.models import (SEQ, _error, _export, _hf_logits, _hf_tensors, _layout, _megatron_logits,
+                               _same_tensors, _shared_tmp)
 
 
 def _tokens(hf_dir: str) -> torch.Tensor:
@@ -48,7 +48,7 @@ def _logit_figures(results: dict, key: str, logits: torch.Tensor | None, refs: t
 
 def two_ranks(ctx) -> dict:
     """PP=2 (15 + 15 layers): logits vs transformers, bit-exact export, and the CLI round trip
-    HF -> megatron checkpoint (PP=2) -> HF; then DP=2 (TP=PP=1): each rank its own sequence."""
+    HF -> megatron checkpoint (PP=2) -> HF; TP=2 refused; DP=2 (TP=PP=1): each rank its own sequence."""
     from megadiv.cli import main
     from megadiv.models import build_model
 
@@ -76,6 +76,9 @@ def two_ranks(ctx) -> dict:
               "--pp", "2"]))
     results["roundtrip_exact/pp2"] = _same_tensors(_hf_tensors(str(back)), originals)
     results["roundtrip_files/pp2"] = sorted(p.name for p in back.iterdir())
+
+    _layout(2, 1)  # TP=2 cannot split 3 KV heads: refused by name before any weight is read
+    results["error/tp2"] = _error(lambda: build_model(hf, role="reference"))
 
     _layout(1, 1)  # world 2: two data-parallel replicas
     model = build_model(hf, role="reference")
