@@ -227,8 +227,7 @@ class TrainConfig:
                          "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
                          "model.recompute_granularity": (m.recompute_granularity, "none")}
         megatron_only |= {  # ZeRO-3 gathers weights in every forward: all ranks must run equally many micro-batches
-            "grpo.max_tokens_per_micro_batch": (self.grpo.max_tokens_per_micro_batch, None),
-            "grpo.pack_sequences": (self.grpo.pack_sequences, False)}
+            "grpo.max_tokens_per_micro_batch": (self.grpo.max_tokens_per_micro_batch, None)}  # packing needs it
         for key, (value, plain) in megatron_only.items():
             if value != plain:
                 instead = ("; use deepspeed.gradient_checkpointing" if key.startswith("model.recompute")
