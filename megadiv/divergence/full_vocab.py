@@ -25,8 +25,9 @@ class SeparableVocabDivergence(VocabDivergence):
     """Base of the full-vocabulary measures: subclasses implement ``pointwise``.
 
     ``chunk_size``: token rows per chunk (None: the device's byte budget, see vocab_parallel);
-    each chunk costs two collectives and holds 4 x chunk x V/TP floats of buffers. ``consume_base``: write the
-    gradient into the base logits' storage, destroying them (see ``separable_divergence``).
+    each chunk costs two collectives and holds 2 x chunk x V/TP floats of buffers (p, q).
+    ``consume_base``: write the gradient into the base logits' storage, destroying them (see
+    ``separable_divergence``).
     """
 
     uses_log_probs = False
@@ -85,10 +86,10 @@ class FullMirrorBregman(SeparableVocabDivergence):
     With p~ = max(p, 1e-10) (likewise q~): f = h(p~) - h(q~) - h'(q~)(p~ - q~),
     df/da = p [p > 1e-10] (h'(p~) - h'(q~)),  df/db = -q [q > 1e-10] h''(q~) (p~ - q~).
     Every vocabulary entry evaluates the 126 neurons, so this costs far more than full_prob_l2;
-    its tiles are 21x smaller to bound the [rows, V, 21] neuron temporaries.
+    its tiles are 42x smaller to bound the [rows, V, 21] neuron temporaries.
     """
 
-    tile_elements = CHUNK_ELEMENTS // NEURONS_PER_GROUP
+    tile_elements = CHUNK_ELEMENTS // (2 * NEURONS_PER_GROUP)
     uses_mirror_map = True
 
     def __init__(self, mirror_map: NeuralMirrorMap | MirrorMapConfig | None = None, chunk_size: int | None = None,
