@@ -328,17 +328,24 @@ def _drop_option(argv: list[str], flag: str) -> list[str]:
 
 
 def _run_bounded(cmd: list[str], env: dict, timeout: float) -> None:
-    """Run ``cmd`` in its own process group; on a timeout or failure kill the group and raise."""
+    """Run ``cmd`` (torchrun) in its own process group; whatever happens, end the group: SIGTERM
+    first (torchrun passes it on to its ranks, which live in sessions of their own), then
+    SIGKILL; raise unless it exited 0 within ``timeout``."""
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=10)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd)}: " + ("timed out" if rc is None else f"exit {rc}"))
 
