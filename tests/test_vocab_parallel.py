@@ -220,6 +220,64 @@ def test_extra_memory_is_bounded_by_the_chunk():
     assert peak_allocated_bytes(lambda: measure(x, zb).sum().backward()) < full + 12 * chunk_bytes
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_chunked_workspace_path_equals_unchunked(inplace):
+    """Many chunks through one reused workspace give the one-chunk result: values and gradients
+    of log-prob and entropy together (both upstream weights nonzero), float64."""
+    z, _, t = logits(tokens=11, vocab=13, padded=16, lead=(2,))
+    up_lp, up_ent = torch.randn(2, 11, dtype=F64), torch.randn(2, 11, dtype=F64)
+    results = []
+    for chunk in (None, 1, 3, 5):        # None: one chunk of all 22 rows
+        x = z.clone().requires_grad_()
+        lp, ent = vp.log_probs_and_entropy(x, t, vocab_size=13, chunk_size=chunk,
+                                           inplace_backward=inplace)
+        (lp * up_lp + ent * up_ent).sum().backward()
+        results.append((lp.detach(), ent.detach(), x.grad))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert results[0][2][..., :13].abs().max() > 1e-2          # not a vacuous comparison
+
+
+def _large_allocations(step, row_bytes: int) -> int:
+    """How many allocations of at least one logit row (``row_bytes``) ``step()`` makes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    return sum(1 for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]" and e.nbytes() >= row_bytes)
+
+
+def test_chunk_temporaries_are_allocated_once_per_call():
+    """The passes reuse one workspace per call: the number of row-sized (or larger) allocations
+    does not grow with the number of chunks (a per-chunk temporary would add one per chunk, and
+    each costs page faults when the C allocator hands freed blocks back to the OS)."""
+    z, zb, t = logits(tokens=96, vocab=1000, padded=1000, dtype=torch.float32)
+    up = torch.randn(96)
+    row = z.shape[1] * 4
+
+    def log_prob_entropy(chunk, inplace):
+        x = z.clone().requires_grad_()
+        def step():
+            lp, ent = vp.log_probs_and_entropy(x, t, chunk_size=chunk, inplace_backward=inplace)
+            ((lp + 0.1 * ent) * up).sum().backward()
+        return _large_allocations(step, row)
+
+    def divergence(name, chunk, consume):
+        x, ref = z.clone().requires_grad_(), zb.clone()
+        measure = get_divergence(name, chunk_size=chunk, consume_base=consume)
+        measure.tile_elements = 2 * z.shape[1]                  # several tiles per chunk
+        return _large_allocations(lambda: measure(x, ref).sum().backward(), row)
+
+    for inplace, most in ((True, 3), (False, 4)):   # shifted/exp, probs (+ the gradient)
+        counts = [log_prob_entropy(chunk, inplace) for chunk in (4, 16, 96)]
+        assert counts[0] == counts[1] == counts[2] <= most, (inplace, counts)
+    for name in ("full_prob_l2", "full_kl"):
+        for consume, most in ((True, 4), (False, 5)):  # p, q, two tile buffers (+ the gradient)
+            counts = [divergence(name, chunk, consume) for chunk in (4, 16, 96)]
+            assert counts[0] == counts[1] == counts[2] <= most, (name, consume, counts)
+
+
 # ----------------------------------------------------------------- TP=2 / TP=4 under torchrun
 
 # Near the observed error (max over TP=2/4, every primitive and measure, values and gradients):

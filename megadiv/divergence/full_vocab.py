@@ -25,8 +25,9 @@ class SeparableVocabDivergence(VocabDivergence):
     """Base of the full-vocabulary measures: subclasses implement ``pointwise``.
 
     ``chunk_size``: token rows per chunk (None: the device's byte budget, see vocab_parallel);
-    each chunk costs two collectives and holds 4 x chunk x V/TP floats of buffers. ``consume_base``: write the
-    gradient into the base logits' storage, destroying them (see ``separable_divergence``).
+    each chunk costs two collectives and holds 2 x chunk x V/TP floats of buffers (p, q).
+    ``consume_base``: write the gradient into the base logits' storage, destroying them (see
+    ``separable_divergence``).
     """
 
     uses_log_probs = False
@@ -38,10 +39,11 @@ class SeparableVocabDivergence(VocabDivergence):
         super().__init__()
         self.chunk_size, self.consume_base = chunk_size, consume_base
 
-    def pointwise(self, a, b, p, q, grad: bool, base_grad: bool):
-        """(f, df/da, df/db) elementwise, a = log p, b = log q, on chunks [rows, V_valid];
-        df/da only with ``grad``, df/db only with ``base_grad`` (else None). The caller may
-        modify the returned df/da, df/db in place."""
+    def pointwise(self, a, b, p, q, out_a, out_b, ws):
+        """f elementwise, a = log p, b = log q, on tiles [rows, V_valid], returned; df/da written
+        into ``out_a``, df/db into ``out_b`` (each None when not wanted). Temporaries come from
+        the workspace ``ws.take(name, rows)``, reused by every tile (vocab_parallel.Workspace);
+        a and b may be overwritten."""
         raise NotImplementedError
 
     def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
@@ -55,20 +57,26 @@ class FullKL(SeparableVocabDivergence):
 
     uses_log_probs = True
 
-    def pointwise(self, a, b, p, q, grad, base_grad):
-        f = p * (a - b)
-        return f, (f + p if grad else None), (-p if base_grad else None)
+    def pointwise(self, a, b, p, q, out_a, out_b, ws):
+        f = torch.sub(a, b, out=a).mul_(p)
+        if out_a is not None:
+            torch.add(f, p, out=out_a)
+        if out_b is not None:
+            torch.neg(p, out=out_b)
+        return f
 
 
 @register_divergence("full_prob_l2")
 class FullProbL2(SeparableVocabDivergence):
     """sum_v (p_v - q_v)^2: f = (p - q)^2, df/da = 2 (p - q) p, df/db = -2 (p - q) q."""
 
-    def pointwise(self, a, b, p, q, grad, base_grad):
-        diff = p - q
-        two_diff = diff + diff
-        return (diff * diff, (two_diff * p if grad else None),
-                (two_diff.mul_(q).neg_() if base_grad else None))
+    def pointwise(self, a, b, p, q, out_a, out_b, ws):
+        diff = torch.sub(p, q, out=ws.take("diff", p.shape[0]))
+        if out_a is not None:
+            torch.mul(diff, p, out=out_a).mul_(2)
+        if out_b is not None:
+            torch.mul(diff, q, out=out_b).mul_(-2)
+        return diff.square_()
 
 
 @register_divergence("full_mirror")
@@ -78,10 +86,10 @@ class FullMirrorBregman(SeparableVocabDivergence):
     With p~ = max(p, 1e-10) (likewise q~): f = h(p~) - h(q~) - h'(q~)(p~ - q~),
     df/da = p [p > 1e-10] (h'(p~) - h'(q~)),  df/db = -q [q > 1e-10] h''(q~) (p~ - q~).
     Every vocabulary entry evaluates the 126 neurons, so this costs far more than full_prob_l2;
-    its tiles are 21x smaller to bound the [rows, V, 21] neuron temporaries.
+    its tiles are 42x smaller to bound the [rows, V, 21] neuron temporaries.
     """
 
-    tile_elements = CHUNK_ELEMENTS // NEURONS_PER_GROUP
+    tile_elements = CHUNK_ELEMENTS // (2 * NEURONS_PER_GROUP)
     uses_mirror_map = True
 
     def __init__(self, mirror_map: NeuralMirrorMap | MirrorMapConfig | None = None, chunk_size: int | None = None,
@@ -89,12 +97,15 @@ class FullMirrorBregman(SeparableVocabDivergence):
         super().__init__(chunk_size, consume_base)
         self.mirror_map = as_mirror_map(mirror_map)
 
-    def pointwise(self, a, b, p, q, grad, base_grad):
+    def pointwise(self, a, b, p, q, out_a, out_b, ws):
+        # the 126-neuron sweep allocates [rows, V, 21] temporaries of its own (mirror_map.terms):
+        # it costs ~80x full_prob_l2 in arithmetic, next to which allocation does not count
         p_c, q_c = p.clamp_min(PROB_FLOOR), q.clamp_min(PROB_FLOOR)
-        h_p, slope_p, _ = self.mirror_map.terms(p_c, slope=grad, curvature=False)
-        h_q, slope_q, curv_q = self.mirror_map.terms(q_c, curvature=base_grad)
+        h_p, slope_p, _ = self.mirror_map.terms(p_c, slope=out_a is not None, curvature=False)
+        h_q, slope_q, curv_q = self.mirror_map.terms(q_c, curvature=out_b is not None)
         diff = p_c - q_c
-        f = h_p - h_q - slope_q * diff
-        f_a = torch.where(p > PROB_FLOOR, p * (slope_p - slope_q), 0.0) if grad else None
-        f_b = torch.where(q > PROB_FLOOR, -q * curv_q * diff, 0.0) if base_grad else None
-        return f, f_a, f_b
+        if out_a is not None:
+            torch.mul(p, slope_p - slope_q, out=out_a).masked_fill_(~(p > PROB_FLOOR), 0.0)
+        if out_b is not None:
+            torch.mul(-q * curv_q, diff, out=out_b).masked_fill_(~(q > PROB_FLOOR), 0.0)
+        return h_p - h_q - slope_q * diff

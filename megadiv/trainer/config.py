@@ -71,7 +71,7 @@ class GRPOConfig:
     which the GBMPO authors train with."""
     log_probs_chunk: int | None = None
     """Token rows per chunk of the vocab-parallel log-prob/entropy (None: a per-device byte budget,
-    512 KiB of float32 on CPU, 128 MiB on GPU; docs/vocab_parallel.md)."""
+    1 MiB of float32 on CPU, 128 MiB on GPU; docs/vocab_parallel.md)."""
     max_nonfinite_steps: int = 3
     """Abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)."""
     check_mismatch_every: int = 1
