@@ -79,6 +79,13 @@ class RolloutDriver:
         threading.Thread(target=_run_into, args=(self._ahead, self._generate, step), daemon=True,
                          name=f"megadiv-rollout-step{step}").start()
 
+    def _finish_ahead(self) -> float:
+        """Wait until the batch ahead, if any, is done (``collect`` takes it); the seconds waited."""
+        start = time.perf_counter()
+        if self._ahead is not None:
+            self._ahead.result()
+        return time.perf_counter() - start
+
     def _generate(self, step: int) -> Experience:
         timer = StepTimer()
         torch.manual_seed(self.cfg.run.seed * 1_000_003 + step)  # sampling reproducible per step (resume)
@@ -128,6 +135,7 @@ class RolloutDriver:
         """Greedy pass@1 (eval/accuracy) on eval.data, with eval.samples = k > 0 also avg@k and pass@k
         at eval.temperature; the same for each of eval.extra_data as eval/<name>_<split>/<metric>."""
         cfg = self.cfg.eval
+        self._finish_ahead()  # on an idle engine, with torch's generator to itself
         sampling = EvalSampling(cfg.max_new_tokens or self.sampling.max_new_tokens, cfg.samples, cfg.temperature)
         metrics = {}
         for i, (name, result) in enumerate(self.eval_suite.run(self.engine, sampling).items()):
@@ -139,10 +147,7 @@ class RolloutDriver:
 
     def push_weights(self, buckets, step: int) -> dict[str, float]:
         """Serve the weights of ``step``: after the batch in flight, which the old weights finish."""
-        start = time.perf_counter()
-        if self._ahead is not None:
-            self._ahead.result()
-        waited = time.perf_counter() - start
+        waited = self._finish_ahead()
         report = self.engine.update_weights(buckets, version_name(step))
         self.served_step = step
         return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "time/rollout_wait": waited}
@@ -150,7 +155,7 @@ class RolloutDriver:
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the rollout side: the prompt position and the batch generated
         ahead (saved, not regenerated: its weights, step - 1's, are not in the checkpoint)."""
-        ahead = self._ahead.result().state_dict() if self._ahead is not None else None
+        ahead = self._ahead.result().state_dict() if self._ahead is not None else None  # waits for it
         return {"sampler": self.sampler.state_dict(), "batch_ahead": ahead}
 
     def load_state_dict(self, state: dict) -> None:

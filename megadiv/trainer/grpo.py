@@ -81,9 +81,9 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
             run.step, timer = step, StepTimer()
-            exp = _broadcast(driver.collect(step) if driver else None)  # generate, reward, advantage
-            if driver and cfg.grpo.overlap and step < cfg.grpo.steps:    # batch step+1 on step-1's weights,
-                driver.collect_ahead(step + 1)                           # in the background while we train
+            exp = _broadcast(driver.collect(step) if driver else None)          # generate, reward, advantage
+            if driver and cfg.grpo.overlap and step < cfg.grpo.steps:            # overlap: batch step+1 on
+                driver.collect_ahead(step + 1)                                   # step-1's weights, meanwhile
             with timer("train"):
                 metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
             if mirror_map is not None:                                          # the same h, every rank and step
