@@ -5,8 +5,8 @@ train on batch k (docs/training.md, Overlap).
                       the batch ahead survives a checkpoint's weights-only load, and a batch two
                       versions behind is refused
     embedded engine   a run of the demo task learns (rewards rise), every step's staleness is 0 at
-                      step 1 and 1 after it, and stop + resume reproduces the uninterrupted
-                      overlapped run bit for bit (the batch in flight is in the checkpoint)
+                      step 1 and 1 after it; stop + resume reproduces the uninterrupted overlapped
+                      run bit for bit (the batch in flight is in the checkpoint)
     SGLang server     the same schedule against a real server process on loopback: staleness,
                       the pushed weights served (probe), every batch from one weight version
 """
@@ -34,7 +34,7 @@ OVERLAP = ["grpo.overlap=true", "loss.tis_cap=2.0"]
 DEMO = ["model.hidden_size=128", "model.ffn_hidden_size=512", "warm_start.sft_steps=250", "warm_start.sft_batch_size=128",
         "grpo.prompts_per_step=64", "rollout.n_samples=8", "advantage.group_size=8", "grpo.micro_batch_size=64",
         "grpo.mini_batches=2", "eval.every=0", "eval.samples=0", "eval.data.max_items=100", "checkpoint.every=0"]
-STEPS, STOP = 40, 20
+STEPS = 40
 
 
 def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versions(tmp_path):
@@ -73,10 +73,10 @@ def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versio
 
 
 @pytest.mark.slow
-def test_overlapped_run_learns_with_staleness_at_most_one_and_resumes_exactly(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    megadiv_train(straight, *DEMO, *OVERLAP, f"grpo.steps={STEPS}")
-    steps = step_records(straight)
+def test_an_overlapped_demo_run_learns_with_staleness_at_most_one(tmp_path):
+    run = tmp_path / "demo"
+    megadiv_train(run, *DEMO, *OVERLAP, f"grpo.steps={STEPS}")
+    steps = step_records(run)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert [r["rollout/staleness"] for r in steps] == [0] + [1] * (STEPS - 1)
     for r in steps:
@@ -84,20 +84,30 @@ def test_overlapped_run_learns_with_staleness_at_most_one_and_resumes_exactly(tm
         assert 0.5 < r["tis/weight_mean"] < 2.0 and r["time/rollout_wait"] >= 0
     third = STEPS // 3
     first, last = (sum(r["reward/mean"] for r in part) / third for part in (steps[:third], steps[-third:]))
-    summary = json.loads((straight / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert last > first + 0.02, (first, last)  # a valid run: it learns
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.05, summary
 
-    out = megadiv_train(resumed, *DEMO, *OVERLAP, f"grpo.steps={STEPS}", f"grpo.stop_after={STOP}")
-    assert f"stopped after step {STOP}" in out
-    out = megadiv_train(resumed, *DEMO, *OVERLAP, f"grpo.steps={STEPS}")
+
+@pytest.mark.slow
+def test_an_overlapped_run_resumes_exactly(tmp_path):
+    """5 steps straight == 3 steps, stop, resume, 2 steps. The checkpoint of step 3 holds batch 4,
+    generated on step 2's weights, which the checkpoint does not have: it must be saved, not remade.
+    DAPO's overlong shaping gives the barely warm-started model reward variance, so every step moves
+    the weights and the importance weights pi_old / pi_rollout differ from 1 (the lag is real)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    shape = [*OVERLAP, "grpo.steps=5", "grpo.overlong_buffer=3", "eval.every=0", "checkpoint.every=0"]
+    megadiv_train(straight, *shape)
+    out = megadiv_train(resumed, *shape, "grpo.stop_after=3")
+    assert "stopped after step 3" in out
+    out = megadiv_train(resumed, *shape)
     assert "resumed from" in out
-    again = step_records(resumed)
-    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
-    for a, b in zip(steps, again):
-        for key in ("loss/total", "reward/mean", "entropy", "grad_norm", "tis/weight_mean", "response/length_mean",
-                    "rollout/staleness"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    a, b = step_records(straight), step_records(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5] and [r["rollout/staleness"] for r in b] == [0, 1, 1, 1, 1]
+    assert all(r["grad_norm"] > 0 for r in a) and any(r["tis/weight_mean"] != 1.0 for r in a[1:])
+    for ra, rb in zip(a, b):
+        for key in ("loss/total", "reward/mean", "entropy", "grad_norm", "tis/weight_mean", "response/length_mean"):
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
     wa, wb = hf_weights(straight), hf_weights(resumed)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -106,9 +116,11 @@ def test_overlapped_run_learns_with_staleness_at_most_one_and_resumes_exactly(tm
 @pytest.mark.sglang
 def test_overlap_with_the_sglang_server(tmp_path):
     run_dir = tmp_path / "sglang"
+    # the CPU server sizes its KV cache from the memory left after loading its weights: other jobs
+    # allocating meanwhile on a shared machine make the default 0.05 share fail (seen at 0.16)
     out = megadiv_train(run_dir, *OVERLAP, "grpo.steps=3", "rollout.engine=sglang", "rollout.sync_method=distributed",
-                        "eval.every=0", "eval.data.max_items=8", "checkpoint.every=0", "parallel.tensor_parallel=2",
-                        timeout_s=1200)
+                        'rollout.server_args=["--mem-fraction-static", "0.5"]', "eval.every=0", "eval.data.max_items=8",
+                        "checkpoint.every=0", "parallel.tensor_parallel=2", timeout_s=1200)
     steps = step_records(run_dir)
     assert [r["rollout/staleness"] for r in steps] == [0, 1, 1], out[-3000:]
     for r in steps:

@@ -71,7 +71,8 @@ def build_experience(prompts: list[list[int]], groups: list[list[Completion]], s
     """Rows for ``prompts`` and their completion ``groups`` (one list of G per prompt), with the
     reward of each completion in ``scores`` / ``reasons`` (prompt-major order). With
     ``mask_truncated``, completions cut at max_new_tokens stay in their group's advantage
-    baseline but are dropped from the loss (TRL's mask_truncated_completions, which GBMPO uses)."""
+    baseline but are dropped from the loss (TRL's mask_truncated_completions, which GBMPO uses).
+    ``policy_version``: the trainer step whose weights generated ``groups`` (the staleness check)."""
     completions = [c for group in groups for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in completions])
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
