@@ -76,7 +76,8 @@ def main() -> None:
              f"advantage.group_size={args.samples}", f"rollout.max_new_tokens={args.new_tokens}",
              "grpo.mini_batches=1", f"grpo.micro_batch_size={rows}", "loss.tis_cap=2.0"]
     print(f"shape: {args.prompts} prompts x {args.samples} samples x <= {args.new_tokens} new tokens, model hidden "
-          f"{args.hidden} x {args.layers} layers, 1 rank (TP=1), {args.steps} steps; medians over steps 2..{args.steps}")
+          f"{args.hidden} x {args.layers} layers, 1 rank (TP=1), {args.steps} steps; medians over steps "
+          f"2..{args.steps}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="megadiv-bench-overlap-") as tmp:
         for engine in args.engines:
@@ -94,7 +95,8 @@ def main() -> None:
                 result[overlap] = {k: median_of(records, f"time/{k}") for k in
                                    ("step", "rollout", "reward", "rollout_wait", "train", "sync")}
                 t = result[overlap]
-                print(f"{engine:8s} overlap={str(overlap):5s}: {1 / t['step']:.3f} steps/s (median step {t['step']:.2f} s:"
+                print(f"{engine:8s} overlap={str(overlap):5s}: {1 / t['step']:.3f} steps/s "
+                      f"(median step {t['step']:.2f} s:"
                       f" rollout {t['rollout']:.2f}, reward {t['reward']:.2f}, waited for it {t['rollout_wait']:.2f},"
                       f" train {t['train']:.2f}, sync {t['sync']:.2f})", flush=True)
             print(f"{engine:8s} overlap speed-up: {result[False]['step'] / result[True]['step']:.2f}x steps/s",
