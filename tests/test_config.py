@@ -78,6 +78,8 @@ def test_bad_keys_and_values_are_named(override, message):
       for m in ("full_kl", "full_prob_l2", "full_mirror")],
     (["loss.mirror_map.seed=3"], "mirror_map is set but neither regularizer nor"),
     (["loss.regularizer=sampled_mirror", "loss.mirror_map.params=/nonexistent.json"], "no file /nonexistent.json"),
+    # one step off-policy without importance weights would train on another policy's samples as its own
+    (["grpo.overlap=true"], "grpo.overlap trains each batch on weights one step newer.*set loss.tis_cap"),
 ])
 def test_impossible_combinations_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,8 +1,9 @@
 """Runs that are stopped, killed, damaged or misconfigured (issue 17), each a real ``megadiv train``.
 
-- SIGTERM and SIGINT to the launcher's PID alone, and SIGKILL of one rank, during a TP=2 run: no
-  process of the run is alive 30 s later (by process group, by command line, and every process
-  that descended from the launcher while it ran).
+- SIGTERM and SIGINT to the launcher's PID alone, and SIGKILL of one rank, during a TP=2 run (and
+  SIGTERM with grpo.overlap, a batch being generated in rank 0's background thread): no process of
+  the run is alive 30 s later (by process group, by command line, and every process that descended
+  from the launcher while it ran).
 - A truncated file in the newest checkpoint, and a deleted newest checkpoint: the run resumes from
   the previous intact one and ends with the weights of an uninterrupted run.
 - Bad inputs: each is refused before any rank starts, or reported as one line naming the rank and
@@ -115,12 +116,14 @@ def ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in torchrun.children() if "megadiv.cli" in command_line(p)]
 
 
-@pytest.mark.parametrize("fault", ["SIGTERM", "SIGINT", "SIGKILL-rank"])
-def test_a_stopped_tp2_run_leaves_no_process(tmp_path, fault):
+@pytest.mark.parametrize("fault,extra", [("SIGTERM", []), ("SIGINT", []), ("SIGKILL-rank", []),
+                                         ("SIGTERM", ["grpo.overlap=true", "loss.tis_cap=2.0"])],
+                         ids=["SIGTERM", "SIGINT", "SIGKILL-rank", "SIGTERM-overlap"])
+def test_a_stopped_tp2_run_leaves_no_process(tmp_path, fault, extra):
     """The run is stopped once its first checkpoint exists (so megatron's writer helpers exist)."""
     run_dir = tmp_path / f"run-{fault.lower()}"
     log = tmp_path / "train.log"
-    proc = start(train_command(run_dir, "grpo.steps=50", "parallel.tensor_parallel=2", nproc=2), log)
+    proc = start(train_command(run_dir, "grpo.steps=50", "parallel.tensor_parallel=2", *extra, nproc=2), log)
     known: list[psutil.Process] = []
     try:
         wait_for(run_dir / "checkpoints" / "step_000001" / "manifest.json", proc, log)

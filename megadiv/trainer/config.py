@@ -79,6 +79,11 @@ class GRPOConfig:
     stop_after: int | None = None
     """End this launch after this step (checkpointed); the same command resumes. The LR schedule
     and everything else still plan for ``steps``. For time-limited or preemptible jobs."""
+    overlap: bool = False
+    """One-step off-policy: generate batch k+1 on step k-1's weights while training on batch k
+    (staleness exactly one version, logged as rollout/staleness). The loss recomputes pi_old with
+    the current weights and weighs tokens by min(pi_old / pi_rollout, loss.tis_cap), which it
+    therefore needs (docs/training.md, Overlap)."""
 
     def __post_init__(self):
         for key in ("steps", "prompts_per_step", "micro_batch_size", "ppo_epochs", "mini_batches",
@@ -203,6 +208,10 @@ class TrainConfig:
                               f"D(pi_theta, pi_old) over the whole vocabulary, i.e. the old policy's logits beside "
                               f"the actor's in every micro-batch, which the trainer does not keep; use a token "
                               f"measure ({', '.join(names_of_kind(TokenDivergence))})")
+        if self.grpo.overlap and self.loss.tis_cap is None:
+            raise ConfigError("grpo.overlap trains each batch on weights one step newer than the ones that generated "
+                              "it: set loss.tis_cap (e.g. 2.0), so the policy loss corrects for that by weighing each "
+                              "token by min(pi_old / pi_rollout, tis_cap) (docs/training.md, Overlap)")
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
         thinking = [d for d in (self.data, self.eval.data, *self.eval.extra_data) if d and d.enable_thinking]

@@ -6,7 +6,7 @@ data-parallel replica takes its slice of the rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -27,13 +27,23 @@ class Experience:
     advantages: torch.Tensor      # [rows]
     in_loss: torch.Tensor         # [rows] 1.0, or 0.0 for a row dropped from the loss (grpo.mask_truncated)
     metrics: dict[str, float]
+    policy_version: int = 0       # the trainer step whose weights generated the rows (0: the starting ones)
 
     def __len__(self) -> int:
         return len(self.responses)
 
     def select(self, index: slice) -> "Experience":
         return Experience(self.prompts[index], self.responses[index], self.rollout_logprobs[index],
-                          self.rewards[index], self.advantages[index], self.in_loss[index], self.metrics)
+                          self.rewards[index], self.advantages[index], self.in_loss[index], self.metrics,
+                          self.policy_version)
+
+    def state_dict(self) -> dict:
+        """Plain lists, tensors and numbers (what a checkpoint's torch.load(weights_only=True) reads)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "Experience":
+        return cls(**state)
 
     def to_batch(self, pad_id: int) -> SequenceBatch:
         """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see policy.py).
@@ -57,11 +67,12 @@ def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 def build_experience(prompts: list[list[int]], groups: list[list[Completion]], scores: list[float],
                      reasons: list[str], adv_cfg: AdvantageConfig, max_new_tokens: int,
                      overlong_buffer: int = 0, overlong_penalty: float = 1.0,
-                     mask_truncated: bool = False) -> Experience:
+                     mask_truncated: bool = False, policy_version: int = 0) -> Experience:
     """Rows for ``prompts`` and their completion ``groups`` (one list of G per prompt), with the
     reward of each completion in ``scores`` / ``reasons`` (prompt-major order). With
     ``mask_truncated``, completions cut at max_new_tokens stay in their group's advantage
-    baseline but are dropped from the loss (TRL's mask_truncated_completions, which GBMPO uses)."""
+    baseline but are dropped from the loss (TRL's mask_truncated_completions, which GBMPO uses).
+    ``policy_version``: the trainer step whose weights generated ``groups`` (the staleness check)."""
     completions = [c for group in groups for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in completions])
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
@@ -84,7 +95,8 @@ def build_experience(prompts: list[list[int]], groups: list[list[Completion]], s
         responses=[c.token_ids for c in completions],
         rollout_logprobs=[c.logprobs for c in completions],
         rewards=rewards, advantages=advantages,
-        in_loss=(~truncated).float() if mask_truncated else torch.ones(len(completions)), metrics=metrics)
+        in_loss=(~truncated).float() if mask_truncated else torch.ones(len(completions)), metrics=metrics,
+        policy_version=policy_version)
 
 
 def informative_groups(exp: Experience, group_size: int) -> list[int]:
@@ -97,11 +109,12 @@ def take_groups(exp: Experience, groups: list[int], group_size: int) -> Experien
     rows = [g * group_size + j for g in groups for j in range(group_size)]
     return Experience([exp.prompts[i] for i in rows], [exp.responses[i] for i in rows],
                       [exp.rollout_logprobs[i] for i in rows], exp.rewards[rows], exp.advantages[rows],
-                      exp.in_loss[rows], exp.metrics)
+                      exp.in_loss[rows], exp.metrics, exp.policy_version)
 
 
 def concat(parts: list[Experience]) -> Experience:
     first = parts[0]
     return Experience(sum((p.prompts for p in parts), []), sum((p.responses for p in parts), []),
                       sum((p.rollout_logprobs for p in parts), []), torch.cat([p.rewards for p in parts]),
-                      torch.cat([p.advantages for p in parts]), torch.cat([p.in_loss for p in parts]), first.metrics)
+                      torch.cat([p.advantages for p in parts]), torch.cat([p.in_loss for p in parts]), first.metrics,
+                      first.policy_version)

@@ -2,7 +2,8 @@
 
 Rank 0 drives the rollout engine and the rewards (driver.py) and broadcasts each batch; every
 rank trains on its data-parallel slice through megatron's pipeline schedule (policy.py) and
-takes part in the collective weight export that rank 0 pushes to the engine.
+takes part in the collective weight export that rank 0 pushes to the engine. With grpo.overlap,
+batch k+1 is generated on step k-1's weights while the ranks train on batch k (one step off-policy).
 """
 from __future__ import annotations
 
@@ -60,14 +61,15 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                   if info.rank == 0 else None)
         probe = ProbeBatch.random(actor.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
-        state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "eval_before": None}
+        state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "batch_ahead": None,
+                 "eval_before": None}
         latest = checkpoint.find_resume_point(run_dir, cfg.parallel) if cfg.checkpoint.resume == "auto" else None
         mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)
             if driver:
-                driver.sampler.load_state_dict(state["sampler"])
-                driver.push_weights(actor.export_buckets(cfg.rollout.bucket_bytes), f"step-{state['step']}")
+                driver.load_state_dict(state)  # the prompt position and the batch generated ahead
+                driver.push_weights(actor.export_buckets(cfg.rollout.bucket_bytes), state["step"])
             else:
                 drain(actor.export_buckets(cfg.rollout.bucket_bytes))
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
@@ -80,19 +82,21 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
             run.step, timer = step, StepTimer()
-            exp = _broadcast(driver.collect(step, timer) if driver else None)  # generate, reward, advantage
+            exp = _broadcast(driver.collect(step) if driver else None)          # generate, reward, advantage
+            if driver and cfg.grpo.overlap and step < cfg.grpo.steps:            # overlap: batch step+1 on
+                driver.collect_ahead(step + 1)                                   # step-1's weights, meanwhile
             with timer("train"):
                 metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
             if mirror_map is not None:                                          # the same h, every rank and step
                 metrics["mirror_map/fingerprint"] = checkpoint.check_mirror_map(cfg.loss, mirror_map)
             state = _guard(cfg, state, metrics, step)                           # skip / abort on NaN
             with timer("sync"):
-                sync = _sync_weights(cfg, actor, driver, probe, step)           # push weights, probe check
+                sync = _sync_weights(cfg, actor, driver, probe, step)           # (batch ahead done) push, probe
             evaluated = driver.evaluate() if driver and cfg.eval.every and step % cfg.eval.every == 0 else {}
             logger.log(step, exp.metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
             if driver:
-                state["sampler"] = driver.sampler.state_dict()
+                state |= driver.state_dict()
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
                 checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last, cfg.parallel)
         if last < cfg.grpo.steps:
@@ -124,7 +128,10 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     if reference is not None:
         batch.logp_ref = reference.log_probs(batch, mbs)
     kl_in_reward = cfg.loss.kl_coef > 0 and cfg.loss.kl_placement == "reward"
-    if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:  # else on-policy: logp.detach()
+    # pi_old is recomputed for several updates per batch, a KL in the reward, and off-policy batches
+    # (grpo.overlap: clip around the current weights, TIS weighs by pi_old / pi_rollout; docs/training.md);
+    # else the update is on-policy: logp.detach()
+    if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward or cfg.grpo.overlap:
         batch.logp_old = actor.log_probs(batch, mbs)
     kl_metrics = {}
     if kl_in_reward:
@@ -175,7 +182,7 @@ def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None,
     """Push the actor's weights to the engine (export is collective), then compare the engine's
     log-probs with the trainer's on the probe batch."""
     buckets = actor.export_buckets(cfg.rollout.bucket_bytes)
-    metrics = driver.push_weights(buckets, f"step-{step}") if driver else drain(buckets) or {}
+    metrics = driver.push_weights(buckets, step) if driver else drain(buckets) or {}
     every = cfg.grpo.check_mismatch_every
     if every and step % every == 0:
         trainer_lp = _probe_logprobs(actor, probe)

@@ -22,7 +22,7 @@ PROGRESS_FIELDS = [
     ("response/length_mean", "len", "{:.1f}"),
     ("loss/total", "loss", "{:+.4f}"),
 ]
-TIME_FIELDS = ("rollout", "reward", "train", "sync")
+TIME_FIELDS = ("rollout", "reward", "rollout_wait", "train", "sync", "step")
 
 
 class StepTimer:
@@ -30,6 +30,7 @@ class StepTimer:
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
 
     @contextmanager
     def __call__(self, phase: str):
@@ -39,8 +40,10 @@ class StepTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
-    def as_metrics(self) -> dict[str, float]:
-        return {f"time/{k}": v for k, v in self.seconds.items()}
+    def as_metrics(self, total: bool = True) -> dict[str, float]:
+        """time/<phase> per phase and, with ``total``, time/step: the seconds since the timer was made."""
+        elapsed = {"step": time.perf_counter() - self.start} if total else {}
+        return {f"time/{k}": v for k, v in (self.seconds | elapsed).items()}
 
 
 class MetricsLogger:
