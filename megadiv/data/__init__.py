@@ -12,6 +12,7 @@ from megadiv.data.config import DataConfig
 from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset,
                                    register_dataset)
 from megadiv.data.arithmetic import char_tokenizer  # importing it registers the "arithmetic" dataset
+from megadiv.data import word_problems  # noqa: F401  (registers "word_arithmetic")
 from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
 from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
 
