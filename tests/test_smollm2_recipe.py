@@ -63,6 +63,7 @@ def test_word_problems_are_graded_reproducible_and_held_out():
     # the held-out split does not depend on the training size, and no (level, answer-defining
     # numbers) pair of it appears in training
     assert test == _split("test", arithmetic_test_size=300, arithmetic_train_size=50)
+    assert test == _split("test")[:300]  # so `megadiv eval --data word_arithmetic --limit 300` evaluates them
     numbers = {(level_of(r.id), tuple(int(w) for w in r.prompt.replace(".", " ").replace(",", " ").split()
                                       if w.isdigit())) for r in test}
     assert not numbers & {(level_of(r.id), tuple(int(w) for w in r.prompt.replace(".", " ").replace(",", " ").split()

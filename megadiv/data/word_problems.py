@@ -10,7 +10,8 @@ easy enough that RL can move them. Three levels of difficulty, drawn in equal sh
 - ``mul``: a x b, a multiplier in 2..12 times an operand with that many digits.
 
 The problem sets are fixed by ``arithmetic_seed`` alone, like the synthetic ``arithmetic`` task: the
-held-out split is drawn first, so it stays the same whatever the training size, and no training
+held-out split is drawn first, so it stays the same whatever the training size (and its first N
+problems are the held-out split of ``arithmetic_test_size=N``), and no training
 problem has the same operation and operands as a held-out one (the story may differ, the sum
 may not). Record ids carry the level (``word_arithmetic/test/17/sub``), so accuracy can be split
 by level. ``arithmetic_operands`` must stay 2 (each story has two numbers).
@@ -110,6 +111,8 @@ def level_of(record_id: str) -> str:
     return record_id.rsplit("/", 1)[1]
 
 
-register_dataset("word_arithmetic", DatasetSpec(load_word_arithmetic, {"train": None, "test": None}, "boxed", "math",
+# Answer format "none": the story alone, no instruction; the SmolLM2 recipe asks for the number in
+# a system message (examples/smollm2/grpo.yaml).
+register_dataset("word_arithmetic", DatasetSpec(load_word_arithmetic, {"train": None, "test": None}, "none", "math",
                                                "Graded arithmetic word problems (add / sub / mul) for small "
                                                "pretrained models"))
