@@ -1,8 +1,8 @@
 """Datasets, prompt templates and prompt sampling.
 
 - :func:`load_dataset` (registry :data:`DATASETS`, :func:`register_dataset`): GSM8K, MATH-500,
-  AIME 2024/2025, MBPP (+ sanitized), the synthetic arithmetic task, and user JSONL files; row
-  counts are checked on every load.
+  AIME 2024/2025, MBPP (+ sanitized), the synthetic arithmetic task, graded arithmetic word
+  problems, and user JSONL files; row counts are checked on every load.
 - :class:`PromptTemplate`: chat or plain templates that state the answer format.
 - :class:`PromptSampler` / :func:`shard`: deterministic epoch shuffles split across DP ranks.
 
