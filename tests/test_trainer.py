@@ -37,7 +37,7 @@ def megadiv_train(run_dir: Path, *overrides: str, nproc: int = 2, timeout_s: flo
 
 def run_megadiv(*args: str, timeout_s: float) -> str:
     """Run ``megadiv ARGS`` in its own process group; returns its output, fails the test on error or
-    on timeout (then the whole group, servers included, is killed)."""
+    on timeout (then the whole group, servers included, is killed, as when the test is interrupted)."""
     cmd = [sys.executable, "-m", "megadiv.cli", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,  # CPU tier: gloo even on a GPU machine (tests/torchrun.py)
@@ -48,6 +48,9 @@ def run_megadiv(*args: str, timeout_s: float) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"megadiv {args[0]} timed out after {timeout_s}s:\n{out[-6000:]}")
+    except BaseException:  # pytest-timeout's failure, Ctrl-C: nothing of the run may outlive the test
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     assert proc.returncode == 0, f"megadiv {args[0]} failed ({proc.returncode}):\n{out[-8000:]}"
     return out
 
