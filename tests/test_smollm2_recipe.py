@@ -70,6 +70,7 @@ def test_recipe_configs_validate():
     pp, dp, embedded = load(), load("dp2"), load("embedded")
     assert pp.parallel.pipeline_parallel == 2 and dp.parallel.pipeline_parallel == 1
     assert pp.rollout.engine == "sglang" and embedded.rollout.engine == "embedded"
+    assert embedded.rollout.server_args == () and embedded.rollout.sync_method == "auto"  # no server settings left
     # the training split leaves out exactly the held-out problems of the evaluation split
     assert pp.data.arithmetic_test_size == pp.eval.data.arithmetic_test_size
     assert pp.data.answer_format == pp.eval.data.answer_format and pp.reward.name == "math"
