@@ -31,8 +31,14 @@ STEP_FIELDS = ["step", "reward/mean", "reward/accuracy", "clip/frac_low", "clip/
 
 def megadiv_train(run_dir: Path, *overrides: str, nproc: int = 2, timeout_s: float = 900) -> str:
     """Run ``megadiv train`` on the tiny config; returns its output, fails the test on error."""
-    cmd = [sys.executable, "-m", "megadiv.cli", "train", str(CONFIG), f"run.output_dir={run_dir.parent}",
-           f"run.name={run_dir.name}", f"model.hf_dir={run_dir}/init", *TINY, *overrides, "--nproc", str(nproc)]
+    return run_megadiv("train", str(CONFIG), f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
+                       f"model.hf_dir={run_dir}/init", *TINY, *overrides, "--nproc", str(nproc), timeout_s=timeout_s)
+
+
+def run_megadiv(*args: str, timeout_s: float) -> str:
+    """Run ``megadiv ARGS`` in its own process group; returns its output, fails the test on error or
+    on timeout (then the whole group, servers included, is killed, as when the test is interrupted)."""
+    cmd = [sys.executable, "-m", "megadiv.cli", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,  # CPU tier: gloo even on a GPU machine (tests/torchrun.py)
                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
@@ -41,8 +47,11 @@ def megadiv_train(run_dir: Path, *overrides: str, nproc: int = 2, timeout_s: flo
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"megadiv train timed out after {timeout_s}s:\n{out[-6000:]}")
-    assert proc.returncode == 0, f"megadiv train failed ({proc.returncode}):\n{out[-8000:]}"
+        pytest.fail(f"megadiv {args[0]} timed out after {timeout_s}s:\n{out[-6000:]}")
+    except BaseException:  # pytest-timeout's failure, Ctrl-C: nothing of the run may outlive the test
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, f"megadiv {args[0]} failed ({proc.returncode}):\n{out[-8000:]}"
     return out
 
 

@@ -1,8 +1,8 @@
 """Datasets, prompt templates and prompt sampling.
 
 - :func:`load_dataset` (registry :data:`DATASETS`, :func:`register_dataset`): GSM8K, MATH-500,
-  AIME 2024/2025, MBPP (+ sanitized), the synthetic arithmetic task, and user JSONL files; row
-  counts are checked on every load.
+  AIME 2024/2025, MBPP (+ sanitized), the synthetic arithmetic task, graded arithmetic word
+  problems, and user JSONL files; row counts are checked on every load.
 - :class:`PromptTemplate`: chat or plain templates that state the answer format.
 - :class:`PromptSampler` / :func:`shard`: deterministic epoch shuffles split across DP ranks.
 
@@ -12,6 +12,7 @@ from megadiv.data.config import DataConfig
 from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset,
                                    register_dataset)
 from megadiv.data.arithmetic import char_tokenizer  # importing it registers the "arithmetic" dataset
+from megadiv.data import word_problems  # noqa: F401  (registers "word_arithmetic")
 from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
 from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
 

@@ -14,8 +14,8 @@ class DataConfig:
     """One dataset split as the trainer consumes it. A run usually holds two: training and held-out."""
 
     name: str = "gsm8k"
-    """Registry name: gsm8k, math500, aime24, aime25, mbpp, mbpp_sanitized, arithmetic, jsonl, or one
-    added with ``megadiv.data.register_dataset``."""
+    """Registry name: gsm8k, math500, aime24, aime25, mbpp, mbpp_sanitized, arithmetic,
+    word_arithmetic, jsonl, or one added with ``megadiv.data.register_dataset``."""
     split: str = "train"
     """Split of that dataset (gsm8k: train/test; mbpp: prompt/test/validation/train/all, and the GBMPO
     authors' gbmpo_train (299) / gbmpo_validation (75) of train; ...)."""
@@ -60,15 +60,17 @@ class DataConfig:
     expected_rows: Optional[int] = None
     """jsonl: row count the file must have (checked on load); None skips the check."""
 
-    # arithmetic: the synthetic task 'a+b=' for small demos.
+    # arithmetic: the synthetic task 'a+b=' for small demos; word_arithmetic: graded word problems.
     arithmetic_digits: int = 2
-    """Digits per operand: operands are drawn from [0, 10**digits)."""
+    """Digits per operand: operands are drawn from [0, 10**digits) (word_arithmetic: operands of
+    exactly this many digits, the multiplier of its 'mul' level 2..12)."""
     arithmetic_operands: int = 2
-    """Operands per problem (2 gives 'a+b=')."""
+    """Operands per problem (2 gives 'a+b='; word_arithmetic accepts only 2)."""
     arithmetic_test_size: int = 500
     """Held-out problems; fixed by arithmetic_seed, independent of the sizes of the train split."""
     arithmetic_train_size: Optional[int] = None
-    """Training problems, disjoint from the held-out ones; None: every remaining problem."""
+    """Training problems, disjoint from the held-out ones; None: every remaining problem
+    (word_arithmetic: 1000)."""
     arithmetic_seed: int = 0
     """Seed that fixes the problem sets (the shuffle seed is ``seed``)."""
 
