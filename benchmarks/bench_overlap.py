@@ -81,11 +81,8 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="megadiv-bench-overlap-") as tmp:
         for engine in args.engines:
-            # the CPU server sizes its KV cache from the memory left after loading its weights: other jobs
-            # allocating meanwhile on a shared machine make the default 0.05 share fail (seen at 0.16)
-            engine_args = [f"rollout.engine={engine}"] + (
-                ["rollout.sync_method=distributed", 'rollout.server_args=["--mem-fraction-static", "0.5"]']
-                if engine == "sglang" else [])
+            engine_args = [f"rollout.engine={engine}"] + (["rollout.sync_method=distributed"] if engine == "sglang"
+                                                          else [])
             result = {}
             for overlap in (False, True):
                 records = run_train(Path(tmp) / f"{engine}-{int(overlap)}",

@@ -122,7 +122,7 @@ def test_overlap_with_the_sglang_server(tmp_path):
     # overlong shaping: reward variance, so each push moves the weights the probe then checks (see above)
     out = megadiv_train(run_dir, *OVERLAP, "grpo.steps=3", "grpo.overlong_buffer=3", "rollout.engine=sglang",
                         "rollout.sync_method=distributed",
-                        'rollout.server_args=["--mem-fraction-static", "0.5"]', "eval.every=0", "eval.data.max_items=8",
+                        "eval.every=0", "eval.data.max_items=8",
                         "checkpoint.every=0", "parallel.tensor_parallel=2", timeout_s=1200)
     steps = step_records(run_dir)
     assert [r["rollout/staleness"] for r in steps] == [0, 1, 1], out[-3000:]

@@ -40,9 +40,13 @@ CPU_STANDINS = Path(__file__).resolve().parent / "sglang_cpu"
 
 # Measured on the CPU tier (2 cores, no AMX): torch attention and sampling, float32, a small KV
 # pool, no CUDA graphs, no grammar backend, no warm-up request (start-up 20-80 s).
+# SGLang sizes the KV pool as (free memory now) - (1 - f) x (free memory before loading) and refuses
+# to start when that is <= 0: with f = 0.05 a host whose free memory drops by 5% during the load
+# (other processes, the weights themselves) cannot start a server. f = 0.5 tolerates that; the pool
+# itself stays capped by --max-total-tokens.
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-    "--dtype", "float32", "--mem-fraction-static", "0.05", "--max-total-tokens", "16384",
+    "--dtype", "float32", "--mem-fraction-static", "0.5", "--max-total-tokens", "16384",
     "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
     "--grammar-backend", "none", "--skip-server-warmup",
 )
