@@ -1,0 +1,231 @@
+"""Per-rank peak memory of one GRPO train step under DeepSpeed ZeRO-0/1/2/3, same model and batch,
+data parallelism 2 on CPU (gloo); each stage runs in its own pair of processes.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero_memory.py [--stages 0 1 2 3] \
+        [--family olmo2 --hidden 256 --layers 4 --ffn 1024] [--rows 8 --seq 128] [--json FILE]
+
+The step is the trainer's: forward of a Hugging Face causal LM (a random tiny ``--family`` model
+from megadiv.models.tiny, by default olmo2, which has no Megatron mapping), log-probs and entropy
+of the sampled tokens from the divergence library (unsharded vocabulary, group=None), the policy
+loss (divergence_clip on k3, token-mean), ``engine.backward``, ``engine.step`` (AdamW). One
+warm-up step (Adam's moments are allocated lazily at the first step), then the measured one.
+
+What is measured: live bytes of torch's CPU allocator. torch.profiler(profile_memory=True) runs
+from before the model is loaded to the end, recording every allocation and free; the live bytes
+at any instant are the running sum of those events, and the figure is the largest running sum
+inside the measured step (state + everything transient: activations, gradients, reduction
+buffers, optimizer temporaries, gathered ZeRO-3 parameters), overall and per phase (forward with
+the loss, backward, optimizer step). "state" is the running sum when the step starts: what a rank
+keeps between steps. Process RSS is not used: it adds the interpreter and libraries (~0.5 GiB,
+the same for every stage), glibc keeps freed heap memory resident, and its high-water mark would
+include start-up transients (ZeRO-3 holds the whole model before partitioning it). Each figure is
+the larger of the two ranks'; ratios are to ZeRO-0.
+
+Theory (fp32 on CPU, Psi parameters, N data-parallel ranks): weights 4, Adam's two moments 8
+bytes per parameter, gradients 4 (freed after each step); ZeRO-1/2/3 also keep an fp32 master
+copy of the partition (DeepSpeed clones it even when the weights are fp32). Kept between steps:
+ZeRO-0 4+8 = 12, ZeRO-1 and ZeRO-2 4+12/N, ZeRO-3 16/N; at the optimizer step the gradients add
+4 (ZeRO-0/1) or 4/N (ZeRO-2/3). docs/deepspeed.md has the bf16 (GPU) forms.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MiB = 1 << 20
+STATE_BYTES_PER_PARAM = {0: lambda n: 12, 1: lambda n: 4 + 12 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
+"""fp32 on CPU: bytes per parameter kept between steps at data-parallel size n (module docstring)."""
+
+
+def ds_config(stage: int, rows: int, bucket: int) -> dict:
+    """The DeepSpeed config of one stage. Buckets are sized to the model (DeepSpeed's defaults,
+    5e8 elements, would dominate a small model); stage3_param_persistence_threshold 0 partitions
+    every parameter (by default those under 1e5 elements stay whole on every rank)."""
+    zero = {"stage": stage}
+    if stage:
+        zero |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": False,
+                 "contiguous_gradients": True}
+    if stage == 3:
+        zero |= {"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
+                 "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}
+    return {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+            "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False}
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def live_bytes(prof, regions: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """{region: (live bytes when it starts, largest live bytes inside it)} from the profiler's
+    allocation events (a free is an event with negative bytes) and its record_function regions."""
+    events = list(prof.profiler.kineto_results.events())
+    spans = {}  # the last occurrence of each name (the warm-up step's regions come first)
+    for e in sorted((e for e in events if e.name() in regions), key=lambda e: e.start_ns()):
+        spans[e.name()] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    out = {}
+    for name, (start, end) in spans.items():
+        live = at_start = peak = 0
+        for t, nbytes in memory:
+            if t > end:
+                break
+            live += nbytes
+            if t < start:
+                at_start = live
+            else:
+                peak = max(peak, live)
+        out[name] = (at_start, max(peak, at_start))
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    import deepspeed
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import AutoModelForCausalLM
+
+    from megadiv.divergence import PolicyLossConfig, compute_policy_loss
+    from megadiv.divergence.vocab_parallel import log_probs_and_entropy
+
+    torch.manual_seed(0)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
+    rank = torch.distributed.get_rank()
+    loss_cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.0231, delta_high=0.0331)
+    g = torch.Generator().manual_seed(1 + rank)  # each rank its own rows, as data parallelism has
+    vocab = json.loads((Path(args.hf_dir) / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (args.rows, args.seq + 1), generator=g)
+    mask = (torch.rand(args.rows, args.seq, generator=g) < 0.8).float()
+    advantages = torch.randn(args.rows, generator=g)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
+        params = sum(p.numel() for p in model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(args.stage, args.rows, args.bucket))
+
+        def step() -> float:
+            with record_function("forward"):
+                logits = engine(input_ids=tokens[:, :-1]).logits  # [rows, seq, V]
+                logp, entropy = log_probs_and_entropy(logits, tokens[:, 1:])
+                loss, _ = compute_policy_loss(loss_cfg, logp, logp.detach(), advantages, mask,
+                                              entropy=entropy.detach())
+            with record_function("backward"):
+                engine.backward(loss)
+            with record_function("optimizer"):
+                engine.step()
+            return loss.item()
+
+        step()  # warm-up: Adam's moments appear at the first step
+        with record_function("measured_step"):
+            loss = step()
+    phases = live_bytes(prof, ("measured_step", *PHASES))
+    state, peak = phases.pop("measured_step")
+    Path(args.out).write_text(json.dumps({"rank": rank, "params": params, "state": state, "peak": peak,
+                                          "phase_peak": {k: v[1] for k, v in phases.items()}, "loss": loss}))
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_stage(stage: int, hf_dir: Path, work: Path, args: argparse.Namespace, world: int = 2) -> list[dict]:
+    """Both ranks of one stage as fresh processes (own process group, killed on timeout)."""
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = work / f"zero{stage}-rank{rank}.json"
+        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, __file__, "--worker", "--stage", str(stage), "--hf-dir", str(hf_dir),
+               "--out", str(out), "--rows", str(args.rows), "--seq", str(args.seq), "--bucket", str(args.bucket)]
+        log = open(work / f"zero{stage}-rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        outs.append(out)
+    try:
+        for p in procs:
+            p.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0 or not outs[r].is_file()]
+    if failed:
+        tail = (work / f"zero{stage}-rank{failed[0]}.log").read_text()[-3000:]
+        raise RuntimeError(f"ZeRO-{stage} rank {failed[0]} failed (exit {procs[failed[0]].returncode}):\n{tail}")
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    parser.add_argument("--family", default="olmo2")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--bucket", type=int, default=1 << 18, help="ZeRO bucket sizes, elements")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per stage")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from megadiv.models.tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="bench-zero-") as tmp:
+        work = Path(tmp)
+        hf_dir = make_tiny_model(work / args.family, args.family, hidden=args.hidden, layers=args.layers,
+                                 heads=args.heads, kv_heads=args.heads, ffn=args.ffn, max_positions=args.seq + 1)
+        results = {}
+        for stage in args.stages:
+            print(f"ZeRO-{stage}: 2 ranks ...", flush=True)
+            results[stage] = run_stage(stage, hf_dir, work, args)
+    params = results[args.stages[0]][0]["params"]
+    print(f"\n{args.family} hidden {args.hidden} x {args.layers} layers, {params / 1e6:.2f} M parameters; "
+          f"{args.rows} x {args.seq} tokens per rank, DP=2, fp32, gloo")
+    print(f"{'stage':>5} {'state MiB':>10} {'B/param':>8} {'theory':>7} {'peak MiB':>9} {'/ ZeRO-0':>9} "
+          + " ".join(f"{p + ' MiB':>14}" for p in PHASES) + f" {'loss':>10}")
+    base = max(r["peak"] for r in results[0]) if 0 in results else None
+    rows = []
+    for stage, ranks in results.items():  # each figure the larger of the two ranks'
+        state, peak = max(r["state"] for r in ranks), max(r["peak"] for r in ranks)
+        phase = {p: max(r["phase_peak"][p] for r in ranks) for p in PHASES}
+        theory = STATE_BYTES_PER_PARAM[stage](2)
+        ratio = f"{peak / base:.3f}" if base else "-"
+        print(f"{stage:>5} {state / MiB:>10.1f} {state / params:>8.2f} {theory:>7.2f} {peak / MiB:>9.1f} {ratio:>9} "
+              + " ".join(f"{phase[p] / MiB:>14.1f}" for p in PHASES) + f" {ranks[0]['loss']:>10.5f}")
+        rows.append({"stage": stage, "ranks": ranks, "peak_ratio": peak / base if base else None,
+                     "state_bytes_per_param": state / params, "theory_bytes_per_param": theory})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "params": params, "stages": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
