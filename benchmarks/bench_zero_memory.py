@@ -2,7 +2,7 @@
 data parallelism 2 on CPU (gloo); each stage runs in its own pair of processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero_memory.py [--stages 0 1 2 3] \
-        [--family olmo2 --hidden 256 --layers 4 --ffn 1024] [--rows 8 --seq 128] [--json FILE]
+        [--family olmo2 --hidden 256 --layers 4 --ffn 1024] [--rows 2 --seq 64] [--json FILE]
 
 The step is the trainer's: forward of a Hugging Face causal LM (a random tiny ``--family`` model
 from megadiv.models.tiny, by default olmo2, which has no Megatron mapping), log-probs and entropy
@@ -23,9 +23,11 @@ the larger of the two ranks'; ratios are to ZeRO-0.
 
 Theory (fp32 on CPU, Psi parameters, N data-parallel ranks): weights 4, Adam's two moments 8
 bytes per parameter, gradients 4 (freed after each step); ZeRO-1/2/3 also keep an fp32 master
-copy of the partition (DeepSpeed clones it even when the weights are fp32). Kept between steps:
-ZeRO-0 4+8 = 12, ZeRO-1 and ZeRO-2 4+12/N, ZeRO-3 16/N; at the optimizer step the gradients add
-4 (ZeRO-0/1) or 4/N (ZeRO-2/3). docs/deepspeed.md has the bf16 (GPU) forms.
+copy of the partition (DeepSpeed clones it even when the weights are fp32), and ZeRO-3 keeps its
+flat buffer of gradient partitions allocated. Kept between steps: ZeRO-0 4+8 = 12, ZeRO-1 and
+ZeRO-2 4+12/N, ZeRO-3 20/N, plus bucket-sized buffers and, at ZeRO-3, parameters DeepSpeed keeps
+gathered for reuse; at the optimizer step the gradients add 4 (ZeRO-0/1) or 4/N (ZeRO-2).
+docs/deepspeed.md has the bf16 (GPU) forms.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 MiB = 1 << 20
-STATE_BYTES_PER_PARAM = {0: lambda n: 12, 1: lambda n: 4 + 12 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
+STATE_BYTES_PER_PARAM = {0: lambda n: 12, 1: lambda n: 4 + 12 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 20 / n}
 """fp32 on CPU: bytes per parameter kept between steps at data-parallel size n (module docstring)."""
 
 
@@ -184,8 +186,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--rows", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--rows", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--bucket", type=int, default=1 << 18, help="ZeRO bucket sizes, elements")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per stage")
     parser.add_argument("--json", default=None, help="write the figures to this file")
