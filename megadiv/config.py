@@ -92,6 +92,9 @@ class ModelConfig:
 
     hf_dir: str | None = None
     """Hugging Face checkpoint directory (config.json, safetensors, tokenizer)."""
+    backend: Literal["megatron", "deepspeed"] = "megatron"
+    """Policy backend: megatron-core (TP/PP/DP, the families megadiv maps) or DeepSpeed ZeRO
+    (any Hugging Face causal LM, data parallelism only; the deepspeed: section)."""
     num_layers: int = 2
     """Transformer layers of a model to create."""
     hidden_size: int = 64

@@ -20,6 +20,9 @@ echo "[setup] megadiv CPU tier"
 pip install -q -r requirements-cpu.txt
 echo "[setup] deepspeed (no compiled ops)"
 DS_BUILD_OPS=0 pip install -q "deepspeed==0.19.8"
+# DeepSpeed's CPU backend JIT-builds its shared-memory comm op (into ~/.cache/torch_extensions) the
+# first time any engine starts; build it here, once, not inside a test's timeout (minutes on 2 cores).
+"$VENV/bin/python" -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 echo "[setup] sglang 0.5.23 CPU tier (no CUDA dependencies)"
 pip install -q -r requirements-sglang-cpu.txt
 pip install -q --no-deps sglang==0.5.23

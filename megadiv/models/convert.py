@@ -119,12 +119,22 @@ def megatron_to_hf(args: argparse.Namespace) -> Path:
 def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_bytes: int,
                         replace: bool = False) -> Path:
     """Collective: gather ``model`` bucket by bucket; rank 0 writes each bucket as one safetensors
-    file, then the index, config.json and the template's other files, into ``<out>.partial``,
-    renamed to ``out`` when complete (``replace``: an existing ``out`` is swapped out only then)."""
+    file (see write_hf_buckets)."""
+    from megadiv.models.export import bucket_count, iter_hf_weight_buckets
+
+    dtype = str(model.config.params_dtype).removeprefix("torch.")
+    return write_hf_buckets(iter_hf_weight_buckets(model, shard_bytes), bucket_count(model, shard_bytes), out,
+                            template_dir, model.hf_config, dtype, replace)
+
+
+def write_hf_buckets(buckets, files: int, out: str | Path, template_dir: str | Path, hf_config: dict, dtype: str,
+                     replace: bool = False) -> Path:
+    """Collective: consume ``buckets`` (``files`` lists of (HF name, tensor), the same on every
+    rank); rank 0 writes each as one safetensors file, then the index, config.json (``hf_config``
+    with ``dtype``) and the template's other files, into ``<out>.partial``, renamed to ``out`` when
+    complete (``replace``: an existing ``out`` is swapped out only then)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
-
-    from megadiv.models.export import bucket_count, iter_hf_weight_buckets
 
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
@@ -132,9 +142,8 @@ def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_
     if writer:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    files = bucket_count(model, shard_bytes)
     weight_map, total = {}, 0
-    for k, bucket in enumerate(iter_hf_weight_buckets(model, shard_bytes)):
+    for k, bucket in enumerate(buckets):
         if not writer:
             continue
         name = "model.safetensors" if files == 1 else f"model-{k + 1:05d}-of-{files:05d}.safetensors"
@@ -151,9 +160,9 @@ def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_
         for f in Path(template_dir).iterdir():
             if f.is_file() and f.name != "config.json" and not _WEIGHT_FILE.match(f.name):
                 shutil.copy2(f, partial / f.name)
-        config = dict(model.hf_config)
+        config = dict(hf_config)
         config.pop("torch_dtype", None)
-        config["dtype"] = str(model.config.params_dtype).removeprefix("torch.")
+        config["dtype"] = dtype
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if replace and out.exists():
             old = out.with_name(out.name + ".old")

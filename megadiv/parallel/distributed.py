@@ -75,6 +75,7 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
         if "MASTER_ADDR" not in os.environ:  # a world of one without torchrun
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("LOCAL_RANK", "0")  # what torchrun sets; DeepSpeed's engine requires it
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=cfg.timeout_s))

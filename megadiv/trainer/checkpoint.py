@@ -3,7 +3,11 @@
     run_dir/checkpoints/step_000040/   megatron dist_checkpointing (model + optimizer, sharded) +
                                        common.pt (schedule, trainer state) + rng_<rank>.pt +
                                        megadiv_model.json (the model, for ``megadiv convert``) +
-                                       manifest.json (step, TP/PP layout, every file and its size)
+                                       manifest.json (step, TP/PP layout, backend, every file and its size)
+                                       With model.backend=deepspeed: deepspeed/ (DeepSpeed's save_checkpoint:
+                                       module, optimizer and ZeRO partitions, schedule and trainer state as
+                                       its client state) + rng_<rank>.pt + manifest.json; resumed at the
+                                       same world size only.
     run_dir/checkpoints/latest         the newest complete checkpoint's directory name (for people)
     run_dir/mirror_map.json            the run's neural mirror map (380 floats), when a loss term uses one
 
@@ -182,17 +186,22 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    _results_queue_that_dies_with_us()
-    state = _state_template(actor, is_loading=False)
-    state["scheduler"] = actor.scheduler.state_dict()
-    state["trainer"] = _from_rank0(trainer_state)
-    state["adam_step"] = _adam_step(actor.optimizer)
-    dist_checkpointing.save(state, str(partial))
+    if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed
+        actor.save_state(partial, _from_rank0(trainer_state))
+    else:
+        _results_queue_that_dies_with_us()
+        state = _state_template(actor, is_loading=False)
+        state["scheduler"] = actor.scheduler.state_dict()
+        state["trainer"] = _from_rank0(trainer_state)
+        state["adam_step"] = _adam_step(actor.optimizer)
+        dist_checkpointing.save(state, str(partial))
     torch.save(_rng_state(), partial / f"rng_{rank}.pt")
     dist.barrier()
     if rank == 0:
-        write_metadata(actor.model, partial)
-        _verify_and_seal(partial, step, layout_of(parallel), dist.get_world_size())
+        if actor.backend == "megatron":
+            write_metadata(actor.model, partial)
+        written = ["metadata.json"] if actor.backend == "megatron" else actor.checkpoint_files(dist.get_world_size())
+        _verify_and_seal(partial, step, layout_of(parallel), dist.get_world_size(), actor.backend, written)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         (root / "latest.tmp").write_text(final.name + "\n")
@@ -204,17 +213,20 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
     return final
 
 
-def _verify_and_seal(partial: Path, step: int, layout: dict, world_size: int) -> None:
-    """Check what every rank wrote (megatron's metadata and common state load, one RNG file per
-    rank), then write the manifest: the last file of a complete checkpoint."""
+def _verify_and_seal(partial: Path, step: int, layout: dict, world_size: int, backend: str,
+                     written: list[str]) -> None:
+    """Check what every rank wrote (the backend's ``written`` files, megatron's common state
+    loads, one RNG file per rank), then write the manifest: the last file of a complete
+    checkpoint."""
     from megatron.core import dist_checkpointing
 
-    missing = [f"rng_{r}.pt" for r in range(world_size) if not (partial / f"rng_{r}.pt").is_file()]
-    if missing or not (partial / "metadata.json").is_file():
-        raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing or 'metadata.json'}")
-    dist_checkpointing.load_common_state_dict(str(partial))
+    missing = [f for f in written + [f"rng_{r}.pt" for r in range(world_size)] if not (partial / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing}")
+    if backend == "megatron":
+        dist_checkpointing.load_common_state_dict(str(partial))
     files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
-    manifest = {"step": step, "layout": layout, "world_size": world_size, "files": files}
+    manifest = {"step": step, "layout": layout, "world_size": world_size, "backend": backend, "files": files}
     (partial / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (partial / (MANIFEST + ".tmp")).rename(partial / MANIFEST)
 
@@ -243,18 +255,24 @@ def export_hf(run_dir: Path, actor: Policy, template_dir: str, step: int, retrai
     """Write the policy to ``run_dir/hf`` (collective), unless this launch trained nothing and hf/
     already holds step ``step``. The step is recorded in hf/megadiv_step.json after the export, so
     an extended run (more grpo.steps) re-exports."""
-    from megadiv.models.convert import write_hf_checkpoint
-
     marker = run_dir / "hf" / EXPORT_MARKER
     if not retrained and marker.is_file() and json.loads(marker.read_text()).get("step") == step:
         return
-    write_hf_checkpoint(actor.model, run_dir / "hf", template_dir, shard_bytes=2 << 30, replace=True)
+    actor.save_hf(run_dir / "hf", template_dir, replace=True)
     if dist.get_rank() == 0:
         marker.write_text(json.dumps({"step": step}) + "\n")
 
 
 def load_checkpoint(path: Path, actor: Policy) -> dict:
     """Restore ``actor`` (model, optimizer, schedule) and this rank's RNG; returns the trainer state."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    saved_by = manifest.get("backend", "megatron")
+    if saved_by != actor.backend:
+        raise ConfigError(f"{path} was written by the {saved_by} backend; this run uses model.backend={actor.backend} "
+                          f"(export it to Hugging Face format and start a new run from that)")
+    if actor.backend == "deepspeed" and manifest["world_size"] != dist.get_world_size():
+        raise ConfigError(f"{path} is a DeepSpeed checkpoint of {manifest['world_size']} ranks; resume it with "
+                          f"{manifest['world_size']} ranks (ZeRO partitions are per rank)")
     try:
         return _load(path, actor)
     except (CheckpointError, ConfigError):
@@ -266,6 +284,10 @@ def load_checkpoint(path: Path, actor: Policy) -> dict:
 def _load(path: Path, actor: Policy) -> dict:
     from megatron.core import dist_checkpointing
 
+    if actor.backend == "deepspeed":
+        trainer_state = actor.load_state(path)
+        _load_rng(path)
+        return trainer_state
     _materialize_adam_state(actor.optimizer, dist_checkpointing.load_common_state_dict(str(path))["adam_step"])
     state = dist_checkpointing.load(_state_template(actor, is_loading=True), str(path))
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
@@ -273,11 +295,15 @@ def _load(path: Path, actor: Policy) -> dict:
     with torch.no_grad():
         _load_optimizer(actor.optimizer, state["optimizer"])
     actor.scheduler.load_state_dict(state["scheduler"])
+    _load_rng(path)
+    return state["trainer"]
+
+
+def _load_rng(path: Path) -> None:
     rng = path / f"rng_{dist.get_rank()}.pt"
     if not rng.is_file():
         raise FileNotFoundError(f"{rng} is missing: {path} was written by a job with another world size")
     _set_rng_state(torch.load(rng, weights_only=False))
-    return state["trainer"]
 
 
 def _load_optimizer(optimizer, state: dict) -> None:

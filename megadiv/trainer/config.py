@@ -2,7 +2,8 @@
 
     parallel   megadiv.config.ParallelConfig       TP / PP sizes, stage split, collective timeout
     model      megadiv.config.ModelConfig          the HF checkpoint (or a tiny one made on the spot)
-    optim      megadiv.config.OptimConfig          Megatron optimizer and LR schedule
+    optim      megadiv.config.OptimConfig          optimizer and LR schedule
+    deepspeed  DeepSpeedConfig                     ZeRO stage, offload (model.backend=deepspeed)
     data       megadiv.data.DataConfig             training prompts
     eval       EvalConfig                          held-out evaluation
     reward     megadiv.rewards.RewardConfig        how responses are scored
@@ -30,6 +31,7 @@ from megadiv.divergence import (DIVERGENCES, AdvantageConfig, PolicyLossConfig, 
 from megadiv.models.families import FAMILIES as MEGATRON_FAMILIES
 from megadiv.rewards import RewardConfig
 from megadiv.rollout import RolloutConfig
+from megadiv.trainer.deepspeed_config import DeepSpeedConfig, check_raw_keys
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -170,11 +173,13 @@ class TrainConfig:
         if self.warm_start.make_model == "none" and not self.model.has_checkpoint():
             raise ConfigError(f"model.hf_dir={self.model.hf_dir} holds no config.json (set warm_start.make_model "
                               f"to create a tiny model there)")
-        if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
-            raise ConfigError(f"warm_start.make_model={self.warm_start.make_model}: megadiv has no Megatron mapping for "
-                              f"this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
-                              f"model.backend=deepspeed (docs/deepspeed.md)")
-        check_model_parallel(self.parallel, self.model)
+        self._check_backend()
+        if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
+            if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
+                raise ConfigError(f"warm_start.make_model={self.warm_start.make_model}: megadiv has no Megatron mapping "
+                                  f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
+                                  f"model.backend=deepspeed (docs/deepspeed.md)")
+            check_model_parallel(self.parallel, self.model)
         if self.advantage.group_size != self.rollout.n_samples:
             raise ConfigError(f"advantage.group_size ({self.advantage.group_size}) must equal rollout.n_samples "
                               f"({self.rollout.n_samples}): both are the GRPO group size")
@@ -193,6 +198,33 @@ class TrainConfig:
         if thinking and self.model.has_checkpoint() and "enable_thinking" not in _chat_template_text(self.model.hf_dir):
             raise ConfigError(f"data.enable_thinking=true ({thinking[0].name}:{thinking[0].split}) but the chat template "
                               f"of {self.model.hf_dir} has no thinking mode (it never reads enable_thinking)")
+
+    def _check_backend(self) -> None:
+        """Keys of the other backend are refused: megatron's layout and layer keys with DeepSpeed,
+        the deepspeed: section with megatron."""
+        if self.model.backend == "megatron":
+            changed = [f"deepspeed.{k}" for k, v in vars(self.deepspeed).items() if v != getattr(DeepSpeedConfig(), k)]
+            if changed:
+                raise ConfigError(f"{changed[0]} applies to model.backend=deepspeed (this run uses megatron)")
+            return
+        p, m = self.parallel, self.model
+        megatron_only = {"parallel.tensor_parallel": (p.tensor_parallel, 1),
+                         "parallel.pipeline_parallel": (p.pipeline_parallel, 1),
+                         "parallel.virtual_pipeline": (p.virtual_pipeline, None),
+                         "parallel.stage_layers": (p.stage_layers, None),
+                         "parallel.sequence_parallel": (p.sequence_parallel, False),
+                         "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
+                         "model.recompute_granularity": (m.recompute_granularity, "none")}
+        for key, (value, plain) in megatron_only.items():
+            if value != plain:
+                instead = ("; use deepspeed.gradient_checkpointing" if key.startswith("model.recompute")
+                           else "; DeepSpeed runs ZeRO data parallelism over all ranks" if key.startswith("parallel")
+                           else "")
+                raise ConfigError(f"{key}={value!r} applies to model.backend=megatron only{instead}")
+        if m.params_dtype == "float16":
+            raise ConfigError("model.params_dtype=float16 is not supported with model.backend=deepspeed (it needs "
+                              "loss scaling); use bfloat16 (GPU) or float32")
+        check_raw_keys(self.deepspeed, self.model, self.optim)
 
     def check_world_size(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks; raises ConfigError unless the world

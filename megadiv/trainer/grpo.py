@@ -20,6 +20,7 @@ from megadiv.config import ModelConfig, to_dict
 from megadiv.divergence import compute_advantages, kl_reward_penalty
 from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
+from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.driver import RolloutDriver, drain
 from megadiv.trainer.experience import Experience
@@ -47,17 +48,17 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         start_dir = starting_checkpoint(cfg, run_dir, info)
         model_cfg = ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir})
         updates_per_step = cfg.grpo.ppo_epochs * cfg.grpo.mini_batches
-        actor = Policy(model_cfg, cfg.parallel, "actor", cfg.optim, cfg.grpo.steps * updates_per_step,
-                       cfg.grpo.log_probs_chunk, cfg.rollout.temperature)
-        reference = (Policy(model_cfg, cfg.parallel, "reference", log_probs_chunk=cfg.grpo.log_probs_chunk,
-                            temperature=cfg.rollout.temperature) if cfg.needs_reference else None)
+        actor = make_policy(cfg, model_cfg, "actor", cfg.optim, cfg.grpo.steps * updates_per_step,
+                            cfg.grpo.log_probs_chunk, cfg.rollout.temperature)
+        reference = (make_policy(cfg, model_cfg, "reference", log_probs_chunk=cfg.grpo.log_probs_chunk,
+                                 temperature=cfg.rollout.temperature) if cfg.needs_reference else None)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         driver = (RolloutDriver(cfg, start_dir, tokenizer, reserved_bytes=actor.optimizer_state_bytes())
                   if info.rank == 0 else None)
-        probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=cfg.run.seed)
+        probe = ProbeBatch.random(actor.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "eval_before": None}
         latest = checkpoint.find_resume_point(run_dir, cfg.parallel) if cfg.checkpoint.resume == "auto" else None

@@ -4,6 +4,9 @@ wants: ``loss_fn(mb, logp, entropy, vocab_divergence) -> (numerator, denominator
 Megatron sums numerators and denominators over micro-batches and data-parallel ranks and divides
 once (policy.py), so ``numerator / denominator`` summed that way is exactly the configured
 aggregation over the whole batch. All tensors are [b, s] aligned with the predicting position.
+The denominator depends on the micro-batch (its loss mask) alone, never on the log-probs: the
+DeepSpeed policy (policy_deepspeed.py) evaluates it before the forward pass to scale each
+micro-batch's backward by the global one.
 """
 from __future__ import annotations
 

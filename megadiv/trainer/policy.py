@@ -32,6 +32,7 @@ from megadiv.models.builder import MegatronModel, build_model
 if TYPE_CHECKING:
     from megadiv.trainer.objectives import LossFn
 
+HF_SHARD_BYTES = 2 << 30  # safetensors file size of a Hugging Face export
 
 
 @dataclass
@@ -93,6 +94,8 @@ class Policy:
     optimizer state; ``role='actor'`` adds Megatron DDP, the Megatron optimizer (distributed, i.e.
     sharded over DP, for Adam) and the LR schedule."""
 
+    backend = "megatron"
+
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
                  temperature: float = 1.0):
@@ -119,7 +122,6 @@ class Policy:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         config = self.model.config
         # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam
@@ -139,11 +141,7 @@ class Policy:
                             params_dtype=config.params_dtype,
                             use_distributed_optimizer=use_distributed_optimizer),
             self.chunks)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
-            lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-            wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
+        self.scheduler = lr_scheduler(self.optimizer, optim, total_steps)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
@@ -195,11 +193,11 @@ class Policy:
         return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
     def _tempered(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
-        """logits / T in float32: log-probs of the distribution the rollout engine sampled from
-        (megadiv.rollout's convention), so that ratios to rollout log-probs are meaningful."""
-        t = self.temperature if temperature is None else temperature
-        logits = logits.float()
-        return logits if t in (0.0, 1.0) else logits / t
+        return tempered(logits, self.temperature if temperature is None else temperature)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
 
     def log_probs(self, batch: SequenceBatch, micro_batch_size: int,
                   temperature: float | None = None) -> torch.Tensor | None:
@@ -235,13 +233,8 @@ class Policy:
                                         vocab_start=self.vocab_start,
                                         vocab_size=self.model.vocab_size)[:, :mb.tokens.shape[1]]
             numerator, denominator, metrics = loss_fn(mb, logp, ent.detach(), vocab_div)
-            # loss/* metrics are numerators too: per micro-batch means, weighted by the denominator
-            # in _reduce_metrics; the other metrics are token means, weighted by the token count.
             denominator = torch.as_tensor(denominator, dtype=torch.float32, device=logits.device)
-            metrics = {k: v.detach() / denominator.clamp(min=1) if k.startswith("loss/") else v.detach()
-                       for k, v in metrics.items()}
-            weights = {"_weight/loss": denominator, "_weight/tokens": mb.loss_mask.sum()}
-            return numerator, denominator.round().to(torch.int), metrics | weights
+            return numerator, denominator.round().to(torch.int), weighted_metrics(metrics, denominator, mb.loss_mask)
 
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -256,7 +249,7 @@ class Policy:
             self.scheduler.step(increment=1)
             finite = bool(ok)
             grad_norm = float(norm) if norm is not None else grad_norm
-        metrics = self._reduce_metrics(out)
+        metrics = reduce_metrics(out, self.device)
         metrics.update(skipped=float(not finite), lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm)
         return metrics
 
@@ -267,31 +260,6 @@ class Policy:
         ok = torch.stack(flags).all().float() if flags else torch.ones((), device=self.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok > 0)
-
-    def _reduce_metrics(self, out: list[dict]) -> dict[str, float]:
-        """The last stages' micro-batch metrics over all DP replicas, known to every rank: ``*/max``
-        and ``*/min`` by max and min, the others as weighted means. (TP ranks of a last stage hold
-        identical values: their copies cancel out.) Two collectives per step, no more."""
-        keys = [sorted(k for k in out[0] if not k.startswith("_")) if out else None]
-        dist.broadcast_object_list(keys, src=dist.get_world_size() - 1)  # the last rank is a last stage
-        keys = keys[0]
-        weight_of = ["_weight/loss" if k.startswith("loss/") else "_weight/tokens" for k in keys]
-        f64, device = torch.float64, self.device  # the default group may be NCCL: device tensors
-        sign = torch.tensor([1.0 if k.endswith("/max") else -1.0 if k.endswith("/min") else 0.0 for k in keys],
-                            dtype=f64, device=device)
-        sums = torch.zeros(2, len(keys), dtype=f64, device=device)  # [weighted sum, weight] per key
-        extreme = torch.full((len(keys),), -math.inf, dtype=f64, device=device)  # max of sign * value
-        for o in out:
-            values = torch.stack([o[k].double() for k in keys])
-            w = torch.stack([o[wk].double() for wk in weight_of])
-            sums[0] += values * w
-            sums[1] += w
-            extreme = torch.maximum(extreme, values * sign)
-        dist.all_reduce(sums)
-        dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
-        means = sums[0] / sums[1].clamp(min=1e-30)
-        reduced = torch.where(sign != 0, extreme * sign, means)
-        return {k: float(v) for k, v in zip(keys, reduced.tolist())}
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank allocates at its first step (Adam's two float32
@@ -310,6 +278,12 @@ class Policy:
 
         return iter_hf_weight_buckets(self.model, bucket_bytes)
 
+    def save_hf(self, out, template_dir: str, replace: bool = False) -> None:
+        """Write the policy as a Hugging Face checkpoint (collective; rank 0 writes)."""
+        from megadiv.models.convert import write_hf_checkpoint
+
+        write_hf_checkpoint(self.model, out, template_dir, shard_bytes=HF_SHARD_BYTES, replace=replace)
+
 
 def sequence_multiple(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> int:
     """What the sequence length fed to the model must be a multiple of: FP8 GEMMs (Transformer
@@ -325,3 +299,58 @@ def _pad_columns(x: torch.Tensor, length: int) -> torch.Tensor:
     """[B, S] -> [B, length], right-padded with zeros (token 0 at positions no loss reads: causal
     attention keeps the first S positions exactly as they were)."""
     return x if x.shape[1] == length else torch.nn.functional.pad(x, (0, length - x.shape[1]))
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T in float32: log-probs of the distribution the rollout engine sampled from
+    (megadiv.rollout's convention), so that ratios to rollout log-probs are meaningful."""
+    logits = logits.float()
+    return logits if temperature in (0.0, 1.0) else logits / temperature
+
+
+def weighted_metrics(metrics: dict[str, torch.Tensor], denominator: torch.Tensor,
+                     loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One micro-batch's metrics for ``reduce_metrics``: loss/* metrics are numerators too, made
+    per-micro-batch means here and weighted by the denominator; the other metrics are token means,
+    weighted by the token count."""
+    metrics = {k: v.detach() / denominator.clamp(min=1) if k.startswith("loss/") else v.detach()
+               for k, v in metrics.items()}
+    return metrics | {"_weight/loss": denominator, "_weight/tokens": loss_mask.sum()}
+
+
+def reduce_metrics(out: list[dict], device: torch.device) -> dict[str, float]:
+    """The last stages' micro-batch metrics over all DP replicas, known to every rank: ``*/max``
+    and ``*/min`` by max and min, the others as weighted means. (TP ranks of a last stage hold
+    identical values: their copies cancel out.) Two collectives per step, no more."""
+    keys = [sorted(k for k in out[0] if not k.startswith("_")) if out else None]
+    dist.broadcast_object_list(keys, src=dist.get_world_size() - 1)  # the last rank is a last stage
+    keys = keys[0]
+    weight_of = ["_weight/loss" if k.startswith("loss/") else "_weight/tokens" for k in keys]
+    f64 = torch.float64  # the default group may be NCCL: device tensors on ``device``
+    sign = torch.tensor([1.0 if k.endswith("/max") else -1.0 if k.endswith("/min") else 0.0 for k in keys],
+                        dtype=f64, device=device)
+    sums = torch.zeros(2, len(keys), dtype=f64, device=device)  # [weighted sum, weight] per key
+    extreme = torch.full((len(keys),), -math.inf, dtype=f64, device=device)  # max of sign * value
+    for o in out:
+        values = torch.stack([o[k].double() for k in keys])
+        w = torch.stack([o[wk].double() for wk in weight_of])
+        sums[0] += values * w
+        sums[1] += w
+        extreme = torch.maximum(extreme, values * sign)
+    dist.all_reduce(sums)
+    dist.all_reduce(extreme, op=dist.ReduceOp.MAX)
+    means = sums[0] / sums[1].clamp(min=1e-30)
+    reduced = torch.where(sign != 0, extreme * sign, means)
+    return {k: float(v) for k, v in zip(keys, reduced.tolist())}
+
+
+def lr_scheduler(optimizer, optim: OptimConfig, total_steps: int):
+    """Megatron's LR (and weight-decay) schedule over ``optimizer.param_groups``: linear warm-up,
+    then constant/linear/cosine decay over the run's optimizer steps (both backends use it)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")

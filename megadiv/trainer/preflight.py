@@ -24,7 +24,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     _check_writable(run_dir, "run.output_dir")
     if cfg.model.has_checkpoint():
-        _check_model_dir(Path(cfg.model.hf_dir))
+        _check_model_dir(Path(cfg.model.hf_dir), cfg.model.backend)
     else:  # warm_start.make_model creates it (TrainConfig requires that)
         _check_writable(Path(cfg.model.hf_dir), "model.hf_dir")
     return _resume_notes(cfg, run_dir) if cfg.checkpoint.resume == "auto" else []
@@ -56,17 +56,27 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(f"{key}: cannot write in {probe} ({e.strerror or e})") from None
 
 
-def _check_model_dir(hf_dir: Path) -> None:
-    """config.json parses and describes a supported model; the safetensors files are complete and
-    hold every tensor of that model with its shape."""
+def _check_model_dir(hf_dir: Path, backend: str) -> None:
+    """config.json parses and describes a supported model (one megadiv maps to megatron, or with
+    the DeepSpeed backend any model transformers knows); the safetensors files are complete and,
+    for megatron, hold every tensor of that model with its shape."""
     from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
     from megadiv.models.loading import SafetensorsCheckpoint, WeightMismatchError, check_checkpoint
 
-    arch = arch_from_hf_config(load_hf_config(hf_dir))
+    if backend == "deepspeed":
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(hf_dir)
+        except (ValueError, KeyError, OSError) as e:
+            raise ConfigError(f"model.hf_dir: transformers cannot read {hf_dir}/config.json: {e}") from None
+    else:
+        arch = arch_from_hf_config(load_hf_config(hf_dir))
     try:
         ckpt = SafetensorsCheckpoint(hf_dir)  # opening checks each file's header against its size
         try:
-            check_checkpoint(ckpt, arch)
+            if backend == "megatron":
+                check_checkpoint(ckpt, arch)
         finally:
             ckpt.close()
     except WeightMismatchError as e:

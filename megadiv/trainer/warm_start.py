@@ -14,12 +14,12 @@ import torch.distributed as dist
 
 from megadiv.config import ModelConfig, OptimConfig
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
-from megadiv.models.convert import write_hf_checkpoint
 from megadiv.parallel import ParallelInfo
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.lifecycle import NonFiniteError
 from megadiv.trainer.objectives import sft_objective
-from megadiv.trainer.policy import Policy, SequenceBatch
+from megadiv.trainer.backend import make_policy
+from megadiv.trainer.policy import SequenceBatch
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,9 @@ def supervised_warm_start(cfg: TrainConfig, hf_dir: str, out: Path, info: Parall
     template = PromptTemplate.resolve(cfg.data, dataset, tokenizer)
     sampler = PromptSampler(len(dataset), ws.sft_batch_size, rank=info.dp_rank, world=info.dp_size,
                             seed=cfg.data.seed + 1)
-    policy = Policy(ModelConfig(hf_dir=hf_dir, params_dtype=cfg.model.params_dtype,
-                                transformer_impl=cfg.model.transformer_impl),
-                    cfg.parallel, "actor", OptimConfig(lr=ws.sft_lr, clip_grad=cfg.optim.clip_grad),
-                    total_steps=ws.sft_steps)
+    policy = make_policy(cfg, ModelConfig(hf_dir=hf_dir, backend=cfg.model.backend, params_dtype=cfg.model.params_dtype,
+                                          transformer_impl=cfg.model.transformer_impl),
+                         "actor", OptimConfig(lr=ws.sft_lr, clip_grad=cfg.optim.clip_grad), total_steps=ws.sft_steps)
     eos = tokenizer.eos_token_id
     rows = ws.sft_batch_size // info.dp_size
     micro = _largest_divisor_at_most(rows, cfg.grpo.micro_batch_size * 4)
@@ -80,7 +79,7 @@ def supervised_warm_start(cfg: TrainConfig, hf_dir: str, out: Path, info: Parall
                                  f"{hf_dir}, warm_start.sft_lr={ws.sft_lr}); check the weights and the learning rate")
         if info.rank == 0 and (step % 25 == 0 or step in (1, ws.sft_steps)):
             print(f"warm start {step}/{ws.sft_steps} | nll {metrics['loss/nll']:.4f}", flush=True)
-    write_hf_checkpoint(policy.model, out, hf_dir, shard_bytes=2 << 30)
+    policy.save_hf(out, hf_dir)
 
 
 def _largest_divisor_at_most(n: int, k: int) -> int:
