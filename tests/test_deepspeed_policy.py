@@ -87,6 +87,13 @@ def test_zero3_over_two_ranks_matches_zero0(zero3, parity, optimizer):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["sgd_checkpointing", "sgd_zero2_offload"])
+def test_checkpointing_and_offload_do_not_change_the_step(zero3, parity, run):
+    for rank, r in enumerate(zero3):
+        _assert_same(r[run], parity["zero0"]["sgd"], f"{run} rank {rank}", "sgd")
+
+
+@pytest.mark.slow
 def test_zero3_checkpoint_resumes_bitwise(zero3):
     for r in zero3:
         res = r["resume"]

@@ -63,12 +63,15 @@ class DeepSpeedPolicy:
         from deepspeed.utils import logger as deepspeed_logger
         from transformers import AutoConfig
 
+        from megadiv.parallel import info
+
         deepspeed_logger.setLevel(logging.WARNING)  # its INFO lines (config dumps per engine) bury the progress line
         if role not in ("actor", "reference"):
             raise ValueError(f"role must be 'actor' or 'reference', got {role!r}")
         self.role, self.ds_cfg = role, ds_cfg
         self.log_probs_chunk, self.temperature = log_probs_chunk, temperature
         self.hf_dir = model_cfg.hf_dir
+        self.device = info().device  # where the engine computes (its parameters may sit in host memory)
         self.hf_config = AutoConfig.from_pretrained(model_cfg.hf_dir)
         for key in DROPOUT_KEYS:
             if isinstance(getattr(self.hf_config, key, None), float):
@@ -92,11 +95,8 @@ class DeepSpeedPolicy:
                                                    dist_init_required=False)
             self.module = self.engine.module
         else:
-            from megadiv.parallel import info
-
-            self.engine = self.module = module.to(info().device).requires_grad_(False)
-        self.module.eval()  # no dropout anyway; HF checkpointing reads .training: set in train_step
-        self.device = next(self.module.parameters()).device
+            self.engine = self.module = module.to(self.device).requires_grad_(False)
+        self.module.eval()  # train_step switches to train mode: HF's activation checkpointing acts only there
 
     def _load(self, hf_dir: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM

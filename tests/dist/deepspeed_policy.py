@@ -89,6 +89,11 @@ def zero3(ctx):
         return DeepSpeedPolicy(model, ds, role, optim, total_steps=3, temperature=0.7)
 
     out = {"sgd": _pair(make, SGD, 1), "adam": _pair(make, ADAM, 3)}
+    # the same SGD step with Hugging Face's activation checkpointing, and at ZeRO-2 with the
+    # optimizer state offloaded to host memory
+    for name, other in (("sgd_checkpointing", DeepSpeedConfig(zero_stage=3, gradient_checkpointing=True)),
+                        ("sgd_zero2_offload", DeepSpeedConfig(zero_stage=2, offload_optimizer="cpu"))):
+        out[name] = _pair(lambda role, optim: DeepSpeedPolicy(model, other, role, optim, 3, temperature=0.7), SGD, 1)
 
     actor, reference = make("actor", ADAM), make("reference", None)
     # ZeRO-3 holds a partition of each parameter (p.numel() == 0 outside a gather)
