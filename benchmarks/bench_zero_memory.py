@@ -4,11 +4,13 @@ data parallelism 2 on CPU (gloo); each stage runs in its own pair of processes.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero_memory.py [--stages 0 1 2 3] \
         [--family olmo2 --hidden 256 --layers 4 --ffn 1024] [--rows 2 --seq 64] [--json FILE]
 
-The step is the trainer's: forward of a Hugging Face causal LM (a random tiny ``--family`` model
-from megadiv.models.tiny, by default olmo2, which has no Megatron mapping), log-probs and entropy
-of the sampled tokens from the divergence library (unsharded vocabulary, group=None), the policy
-loss (divergence_clip on k3, token-mean), ``engine.backward``, ``engine.step`` (AdamW). One
-warm-up step (Adam's moments are allocated lazily at the first step), then the measured one.
+The step is the trainer's own: ``DeepSpeedPolicy.train_step`` (megadiv/trainer/policy_deepspeed.py)
+with the GRPO objective, i.e. forward of a Hugging Face causal LM (a random tiny ``--family``
+model from megadiv.models.tiny, by default olmo2, which has no Megatron mapping), log-probs and
+entropy from the divergence library (whole vocabulary, group=None), the policy loss
+(divergence_clip on k3, token-mean), backward, the AdamW step. One warm-up step (Adam's moments
+are allocated lazily at the first step), then the measured one. DeepSpeed's bucket sizes are
+set to the model through ``deepspeed.config`` (raw_zero_keys).
 
 What is measured: live bytes of torch's CPU allocator. torch.profiler(profile_memory=True) runs
 from before the model is loaded to the end, recording every allocation and free; the live bytes
@@ -32,7 +34,6 @@ docs/deepspeed.md has the bf16 (GPU) forms.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -47,21 +48,18 @@ STATE_BYTES_PER_PARAM = {0: lambda n: 12, 1: lambda n: 4 + 12 / n, 2: lambda n: 
 """fp32 on CPU: bytes per parameter kept between steps at data-parallel size n (module docstring)."""
 
 
-def ds_config(stage: int, rows: int, bucket: int) -> dict:
-    """The DeepSpeed config of one stage. Buckets are sized to the model (DeepSpeed's defaults,
-    5e8 elements, would dominate a small model); stage3_param_persistence_threshold 0 partitions
-    every parameter (by default those under 1e5 elements stay whole on every rank)."""
-    zero = {"stage": stage}
-    if stage:
-        zero |= {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": False,
-                 "contiguous_gradients": True}
+def raw_zero_keys(stage: int, bucket: int) -> dict:
+    """deepspeed.config of one stage. Buckets are sized to the model (DeepSpeed's defaults, 5e8
+    elements, would dominate a small model); stage3_param_persistence_threshold 0 partitions every
+    parameter (by default those under 1e5 elements stay whole on every rank)."""
+    if stage == 0:
+        return {}
+    zero = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": False,
+            "contiguous_gradients": True}
     if stage == 3:
         zero |= {"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
                  "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": bucket}
-    return {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False}
+    return {"zero_optimization": zero}
 
 
 # --------------------------------------------------------------------------- one rank
@@ -70,19 +68,29 @@ def ds_config(stage: int, rows: int, bucket: int) -> dict:
 PHASES = ("forward", "backward", "optimizer")
 
 
-def live_bytes(prof, regions: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """{region: (live bytes when it starts, largest live bytes inside it)} from the profiler's
-    allocation events (a free is an event with negative bytes) and its record_function regions."""
-    events = list(prof.profiler.kineto_results.events())
-    spans = {}  # the last occurrence of each name (the warm-up step's regions come first)
-    for e in sorted((e for e in events if e.name() in regions), key=lambda e: e.start_ns()):
-        spans[e.name()] = (e.start_ns(), e.start_ns() + e.duration_ns())
+def phase_windows(events, step: str) -> dict[str, tuple[int, int]]:
+    """[start, end) in ns of the last ``step`` region and of its phases: forward (with the loss)
+    up to the first autograd node, backward (with DeepSpeed's gradient reduction and norm) up to
+    the optimizer's own step (torch.optim's ``Optimizer.step#...`` region), optimizer to the end
+    (the step, and ZeRO's copy back and all-gather of the updated partitions)."""
+    region = max((e for e in events if e.name() == step), key=lambda e: e.start_ns())
+    start, end = region.start_ns(), region.start_ns() + region.duration_ns()
+    inside = [e for e in events if start <= e.start_ns() < end]
+    backward = min(e.start_ns() for e in inside if e.name().startswith("autograd::engine::evaluate_function"))
+    optimizer = max(e.start_ns() for e in inside if e.name().startswith("Optimizer.step#"))
+    return {step: (start, end), "forward": (start, backward), "backward": (backward, optimizer),
+            "optimizer": (optimizer, end)}
+
+
+def live_bytes(events, windows: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """{window: (live bytes when it starts, largest live bytes inside it)} from the profiler's
+    allocation events (a free is an event with negative bytes)."""
     memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     out = {}
-    for name, (start, end) in spans.items():
+    for name, (start, end) in windows.items():
         live = at_start = peak = 0
         for t, nbytes in memory:
-            if t > end:
+            if t >= end:
                 break
             live += nbytes
             if t < start:
@@ -94,49 +102,43 @@ def live_bytes(prof, regions: tuple[str, ...]) -> dict[str, tuple[int, int]]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import deepspeed
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import AutoModelForCausalLM
 
-    from megadiv.divergence import PolicyLossConfig, compute_policy_loss
-    from megadiv.divergence.vocab_parallel import log_probs_and_entropy
+    from megadiv import parallel
+    from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+    from megadiv.divergence import PolicyLossConfig
+    from megadiv.trainer.deepspeed_config import DeepSpeedConfig
+    from megadiv.trainer.objectives import grpo_objective
+    from megadiv.trainer.policy import SequenceBatch
+    from megadiv.trainer.policy_deepspeed import DeepSpeedPolicy
 
-    torch.manual_seed(0)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
-    rank = torch.distributed.get_rank()
-    loss_cfg = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.0231, delta_high=0.0331)
+    rank = parallel.initialize(ParallelConfig(timeout_s=300)).rank  # gloo, as the trainer's ranks
+    loss_fn = grpo_objective(PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.0231,
+                                              delta_high=0.0331))
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own rows, as data parallelism has
     vocab = json.loads((Path(args.hf_dir) / "config.json").read_text())["vocab_size"]
-    tokens = torch.randint(0, vocab, (args.rows, args.seq + 1), generator=g)
     mask = (torch.rand(args.rows, args.seq, generator=g) < 0.8).float()
-    advantages = torch.randn(args.rows, generator=g)
+    mask[:, -1] = 0  # the last position predicts nothing
+    batch = SequenceBatch(tokens=torch.randint(0, vocab, (args.rows, args.seq), generator=g), loss_mask=mask,
+                          advantages=torch.randn(args.rows, generator=g))  # on-policy rows: logp_old = logp
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32)
-        params = sum(p.numel() for p in model.parameters())
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(args.stage, args.rows, args.bucket))
-
-        def step() -> float:
-            with record_function("forward"):
-                logits = engine(input_ids=tokens[:, :-1]).logits  # [rows, seq, V]
-                logp, entropy = log_probs_and_entropy(logits, tokens[:, 1:])
-                loss, _ = compute_policy_loss(loss_cfg, logp, logp.detach(), advantages, mask,
-                                              entropy=entropy.detach())
-            with record_function("backward"):
-                engine.backward(loss)
-            with record_function("optimizer"):
-                engine.step()
-            return loss.item()
-
-        step()  # warm-up: Adam's moments appear at the first step
+        policy = DeepSpeedPolicy(ModelConfig(hf_dir=args.hf_dir, backend="deepspeed"),
+                                 DeepSpeedConfig(zero_stage=args.stage, config=raw_zero_keys(args.stage, args.bucket)),
+                                 "actor", OptimConfig(lr=1e-4, clip_grad=1.0))
+        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in policy.module.parameters())
+        print(f"rank {rank}: ZeRO-{args.stage} engine ready, {params} parameters", flush=True)
+        policy.train_step(batch, loss_fn, args.rows)  # warm-up: Adam's moments appear at the first step
+        print(f"rank {rank}: warm-up step done", flush=True)
         with record_function("measured_step"):
-            loss = step()
-    phases = live_bytes(prof, ("measured_step", *PHASES))
+            metrics = policy.train_step(batch, loss_fn, args.rows)
+    events = list(prof.profiler.kineto_results.events())
+    phases = live_bytes(events, phase_windows(events, "measured_step"))
     state, peak = phases.pop("measured_step")
     Path(args.out).write_text(json.dumps({"rank": rank, "params": params, "state": state, "peak": peak,
-                                          "phase_peak": {k: v[1] for k, v in phases.items()}, "loss": loss}))
+                                          "phase_peak": {k: v[1] for k, v in phases.items()},
+                                          "loss": metrics["loss/total"]}))
 
 
 # --------------------------------------------------------------------------- the driver
