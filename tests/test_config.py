@@ -203,3 +203,11 @@ def test_config_reference_is_current():
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "config_reference.md").read_text()
     assert committed == render(), "docs/config_reference.md is stale"
+
+
+@pytest.mark.parametrize("family", ["mistral", "olmo2"])
+def test_make_model_without_megatron_mapping_is_refused_for_megatron(family):
+    with pytest.raises(ConfigError, match=f"make_model={family}: megadiv has no Megatron mapping .*model.backend=deepspeed"):
+        load([f"warm_start.make_model={family}"])
+    cfg = load([f"warm_start.make_model={family}", "model.backend=deepspeed"])  # the backend that trains it
+    assert cfg.warm_start.make_model == family

@@ -250,6 +250,38 @@ def test_tiny_bpe_tokenizer_round_trips(tmp_path):
     assert tok.decode(tok(text)["input_ids"]) == text and len(tok) == 300
 
 
+@pytest.mark.parametrize("family", ["mistral", "olmo2"])
+def test_tiny_families_without_megatron_mapping(tmp_path, family):
+    """The DeepSpeed-only families load as their own HF classes, with the demo's char tokenizer and
+    every norm weight random (a swapped norm would change the logits); megatron's mapping refuses them."""
+    import json
+    from typing import get_args, get_type_hints
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megadiv.models.families import FAMILIES as MEGATRON_FAMILIES
+    from megadiv.models.hf_config import arch_from_hf_config
+    from megadiv.models.tiny import TINY_FAMILIES, make_tiny_model
+    from megadiv.trainer.config import WarmStartConfig
+
+    assert get_args(get_type_hints(WarmStartConfig)["make_model"]) == ("none", *TINY_FAMILIES)
+    assert family not in MEGATRON_FAMILIES
+    out = make_tiny_model(tmp_path / family, family, tokenizer="char", chars="0123456789+=", hidden=32, heads=4,
+                          kv_heads=2, ffn=64)
+    cfg = json.loads((out / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__.lower() == f"{family}forcausallm"
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (32, 32)  # head_dim = hidden / heads
+    assert not cfg["tie_word_embeddings"] and len(tok) == cfg["vocab_size"] == 4 + 12
+    assert tok.decode(tok("12+30=42")["input_ids"]) == "12+30=42"
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(not torch.equal(p, torch.ones_like(p)) for p in norms)
+    with pytest.raises(ConfigError, match=f"model_type '{family}'"):
+        arch_from_hf_config(cfg)
+
+
 def test_parse_size():
     from megadiv.models.convert import parse_size
 

@@ -45,6 +45,17 @@ def test_tiny_demo_configs_validate(tmp_path):
     assert base.loss.measure == "k3" and base.warm_start.make_model == "qwen2"
     sglang = load_config(TrainConfig, [EXAMPLES / "tiny" / "grpo.yaml", EXAMPLES / "tiny" / "sglang.yaml"])
     assert sglang.rollout.engine == "sglang" and sglang.loss == base.loss
+    ds = load_config(TrainConfig, [EXAMPLES / "tiny" / "grpo.yaml", EXAMPLES / "tiny" / "deepspeed.yaml"])
+    assert ds.model.backend == "deepspeed" and ds.deepspeed.zero_stage == 3 and ds.parallel.tensor_parallel == 1
+    assert (ds.loss, ds.grpo, ds.warm_start) == (base.loss, base.grpo, base.warm_start)
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if "32b" not in m.stem], ids=lambda p: p.stem)
+def test_gsm8k_recipes_compose_with_the_deepspeed_backend(model):
+    cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", model, ALGORITHMS[0],
+                                    EXAMPLES / "gsm8k" / "backends" / "deepspeed.yaml"],
+                      [f"model.hf_dir={shipped_config_dir(model)}"])
+    assert cfg.model.backend == "deepspeed" and cfg.deepspeed.zero_stage == 3 and cfg.model.params_dtype == "bfloat16"
 
 
 ATR = EXAMPLES / "atr_grpo"

@@ -10,6 +10,10 @@ anywhere changes the logits. The tokenizer is built with the ``tokenizers`` libr
 (one token per character of --chars, the demo's choice) or ``bpe`` (byte-level BPE trained on a
 short built-in text); both carry ChatML special tokens and a chat template and load with
 ``AutoTokenizer.from_pretrained``.
+
+Families (TINY_FAMILIES): qwen2, qwen3 and llama have Megatron mappings
+(megadiv.models.families); mistral and olmo2 have none and train with ``model.backend:
+deepspeed`` only (docs/deepspeed.md).
 """
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ import argparse
 import shutil
 import string
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-FAMILIES = ("qwen2", "qwen3", "llama")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 CHAT_TEMPLATE = (
@@ -33,6 +38,42 @@ def add(a, b):\n    return a + b\n
 The quick brown fox jumps over the lazy dog. A policy gradient step moves the model toward
 rewarded answers; the reference model stays fixed. Let x = 3 and y = 4, then x * y = 12.
 """
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """How to write a random checkpoint of one HF ``model_type`` beyond the fields all share."""
+
+    tied: bool
+    """Default of tie_word_embeddings: what the family's released checkpoints do."""
+    config: Callable[[dict, float], dict] = field(default=lambda kwargs, llama3_rope_factor: {})
+    """(shared config kwargs, --llama3-rope-factor) -> the family's own config kwargs."""
+
+
+def _llama3_rope(kwargs: dict, factor: float) -> dict:
+    if not factor:
+        return {}
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    # Llama 3.1 style: the scaled context is factor x the original 8192
+    return {"rope_scaling": scaling, "max_position_embeddings": max(kwargs["max_position_embeddings"], int(8192 * factor))}
+
+
+def _mistral(kwargs: dict, _factor: float) -> dict:
+    # MistralConfig defaults head_dim to 128 whatever the width; Mistral 7B v0.2+ has no sliding window
+    return {"head_dim": kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"],
+            "sliding_window": None}
+
+
+TINY_FAMILIES: dict[str, TinyFamily] = {
+    "qwen2": TinyFamily(tied=True),
+    "qwen3": TinyFamily(tied=True),
+    "llama": TinyFamily(tied=False, config=_llama3_rope),
+    # no Megatron mapping: DeepSpeed backend only
+    "mistral": TinyFamily(tied=False, config=_mistral),
+    "olmo2": TinyFamily(tied=False),  # post-norm blocks, RMSNorm over the whole q and k projections
+}
+FAMILIES = tuple(TINY_FAMILIES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=None, help="per-head width (qwen3 may differ from hidden/heads)")
     parser.add_argument("--ffn", type=int, default=128)
     parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
-                        help="tie embeddings and lm_head (default: tied for qwen2/qwen3, untied for llama)")
+                        help="tie embeddings and lm_head (default: the family's, tied for qwen2/qwen3)")
     parser.add_argument("--rope-theta", type=float, default=10000.0)
     parser.add_argument("--llama3-rope-factor", type=float, default=8.0,
                         help="llama only: Llama-3 RoPE scaling factor (0 disables)")
@@ -91,17 +132,12 @@ def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
         rms_norm_eps=1e-6, initializer_range=init_std,
-        tie_word_embeddings=family != "llama" if tied is None else tied,
+        tie_word_embeddings=TINY_FAMILIES[family].tied if tied is None else tied,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    scaling = None
-    if family == "llama" and llama3_rope_factor:
-        scaling = {"rope_type": "llama3", "factor": llama3_rope_factor, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        # Llama 3.1 style: the scaled context is factor x the original 8192
-        kwargs["max_position_embeddings"] = max(max_positions, int(8192 * llama3_rope_factor))
-    config = AutoConfig.for_model(family, rope_theta=rope_theta, rope_scaling=scaling, **kwargs)
+    kwargs |= TINY_FAMILIES[family].config(kwargs, llama3_rope_factor)
+    config = AutoConfig.for_model(family, rope_theta=rope_theta, **kwargs)
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

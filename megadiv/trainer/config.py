@@ -28,6 +28,7 @@ from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.data import DataConfig
 from megadiv.divergence import (DIVERGENCES, AdvantageConfig, PolicyLossConfig, TokenDivergence, VocabDivergence,
                                 names_of_kind)
+from megadiv.models.families import FAMILIES as MEGATRON_FAMILIES
 from megadiv.rewards import RewardConfig
 from megadiv.rollout import RolloutConfig
 from megadiv.trainer.deepspeed_config import DeepSpeedConfig, check_raw_keys
@@ -133,8 +134,9 @@ class WarmStartConfig:
     the model.* fields, a character tokenizer), then fine-tune it briefly on the training set's
     reference answers so that reinforcement learning has signal."""
 
-    make_model: Literal["none", "qwen2", "qwen3", "llama"] = "none"
-    """Create a random model of this family at model.hf_dir unless a checkpoint is already there."""
+    make_model: Literal["none", "qwen2", "qwen3", "llama", "mistral", "olmo2"] = "none"
+    """Create a random model of this family at model.hf_dir unless a checkpoint is already there
+    (megadiv.models.tiny; mistral and olmo2 have no Megatron mapping: DeepSpeed backend only)."""
     tokenizer: Literal["char", "bpe"] = "char"
     """Tokenizer of the created model: one token per character of tokenizer_chars, or a small
     byte-level BPE (for text tasks)."""
@@ -194,6 +196,10 @@ class TrainConfig:
                               f"to create a tiny model there)")
         self._check_backend()
         if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
+            if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
+                raise ConfigError(f"warm_start.make_model={self.warm_start.make_model}: megadiv has no Megatron mapping "
+                                  f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
+                                  f"model.backend=deepspeed (docs/deepspeed.md)")
             check_model_parallel(self.parallel, self.model)
         if self.advantage.group_size != self.rollout.n_samples:
             raise ConfigError(f"advantage.group_size ({self.advantage.group_size}) must equal rollout.n_samples "
