@@ -81,7 +81,7 @@ def _grpo_step(hf_dir: str, guarded: bool, overrides: list[str] = ()) -> dict:
 
 def padding_invariance(ctx):
     """One SGD step of the same batch with the model's sequence length left as is and padded to a
-    multiple of 16 (FP8's rule): log-probs, loss metrics and every gradient must agree."""
+    multiple of 16 (FP8's rule): log-probs of the response tokens, loss metrics and every gradient must agree."""
     initialize(ParallelConfig(), seed=1)
     model = ModelConfig(hf_dir=ctx.args["hf_dir"])
     loss = load_config(TrainConfig, None, [f"model.hf_dir={ctx.args['hf_dir']}", "loss.kl_coef=0.1",
@@ -97,7 +97,10 @@ def padding_invariance(ctx):
         batch.logp_ref = batch.logp_old = actor.log_probs(batch, micro_batch_size=2) - 0.01
         metrics = actor.train_step(batch, grpo_objective(loss), micro_batch_size=2)
         grads = [p.main_grad.clone() for c in actor.chunks for p in c.parameters()]
-        out[multiple] = {"seq_len": batch.tokens.shape[1], "logp": batch.logp_old, "metrics": metrics, "grads": grads}
+        # the positions that predict a response token (the last position of a full-width row predicts
+        # nothing, its value depends on what the model input holds after it)
+        logp = batch.logp_old * batch.loss_mask
+        out[multiple] = {"seq_len": batch.tokens.shape[1], "logp": logp, "metrics": metrics, "grads": grads}
     return out
 
 
