@@ -78,7 +78,7 @@ def test_recipe_configs_validate():
 
 @pytest.mark.slow
 @pytest.mark.sglang
-@pytest.mark.timeout(3000)  # over 15 min on the shared 2-core machine at load 40+ (quiet: not measured)
+@pytest.mark.timeout(3000)  # 166 s on 2 quiet cores; over 15 min on the shared machine at load 40+
 def test_two_recipe_steps_with_the_sglang_server(tmp_path, smollm2_hf):
     """The recipe as published (PP=2, SGLang CPU server, weights pushed over gloo), shrunk to 2
     steps of 2 prompts x 4 samples (2 mini-batches of 4) and 6 held-out problems."""
