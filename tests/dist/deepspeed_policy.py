@@ -15,10 +15,8 @@ from megadiv.trainer.deepspeed_config import DeepSpeedConfig
 from megadiv.trainer.objectives import grpo_objective
 from megadiv.trainer.policy import Policy
 from megadiv.trainer.policy_deepspeed import DeepSpeedPolicy
-from tests.dist.trainer_policy import ROWS, _batch
+from tests.dist.trainer_policy import ADAM, ROWS, SGD, _batch
 
-SGD = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)
-ADAM = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
 # a k3-clipped loss with a KL penalty to the reference, and the full-vocabulary regulariser
 LOSS = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, kl_coef=0.1, loss_agg="token-mean",
                         regularizer="full_prob_l2", regularizer_coef=0.5)

@@ -2,20 +2,21 @@
 resumed at another (megadiv.trainer.checkpoint with megatron's distributed optimizer)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+from megadiv.config import ModelConfig, ParallelConfig
 from megadiv.divergence import PolicyLossConfig
 from megadiv.parallel import initialize
 from megadiv.trainer import checkpoint
 from megadiv.trainer.objectives import grpo_objective
 from megadiv.trainer.policy import Policy
-from tests.dist.trainer_policy import ROWS, _batch
+from tests.dist.trainer_policy import ADAM, ROWS, _batch
 
 LOSS = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, loss_agg="token-mean")
-OPTIM = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, warmup_steps=1, decay_style="linear")
+OPTIM = dataclasses.replace(ADAM, warmup_steps=1, decay_style="linear")
 
 
 def _step(actor: Policy, info) -> dict:

@@ -11,6 +11,13 @@ from megadiv.trainer.objectives import grpo_objective
 from megadiv.trainer.policy import Policy, SequenceBatch
 
 ROWS = 8  # the global batch: every layout trains on these rows, each DP replica on its own slice
+SGD = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)
+# Adam with eps = 1e-5, not the default 1e-8. Its first step moves a weight by lr * g / (|g| + eps),
+# whose slope at g ~ 0 is lr / eps: at 1e-8 a gradient element that rounds to +1e-11 in one layout
+# and to -1e-11 in another ends up to 1e-4 apart after three steps (observed 8.3e-5), so weight
+# parity would hold only by luck of the summation order. At 1e-5 the slope is 100, and the steps
+# are still Adam's normalised ones: median |w - w0| after three steps 1.46e-3 (1.54e-3 at 1e-8).
+ADAM = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, adam_eps=1e-5)
 
 
 def _batch() -> SequenceBatch:
@@ -34,9 +41,7 @@ def policy_steps(ctx):
     mine = slice(info.dp_rank * per_replica, (info.dp_rank + 1) * per_replica)
     out = {"dp_size": info.dp_size}
     for agg, optimizer, regularizer in a["runs"]:
-        optim = (OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0) if optimizer == "sgd"
-                 else OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0))
-        actor = Policy(model, parallel, "actor", optim, total_steps=3, temperature=0.7)
+        actor = Policy(model, parallel, "actor", SGD if optimizer == "sgd" else ADAM, total_steps=3, temperature=0.7)
         reference = Policy(model, parallel, "reference", temperature=0.7)
         batch = _batch().rows(mine)
         batch.logp_ref = reference.log_probs(batch, micro_batch_size=2)
