@@ -96,7 +96,7 @@ def layout_runs(tiny_model):
 # Tolerances (float32 weights, float64 metric reductions): the layouts sum the same terms in other
 # orders (TP all-reduces, DP gradient reduce-scatter, micro-batch accumulation), and three steps
 # (SGD at lr 0.5) carry that rounding on; gloo's reductions are deterministic, so each layout gives
-# the same figures every run. Observed against TP=1 x DP=1: losses, KL and grad norms <= 3e-6
+# the same figures every run on one machine (another CPU may round otherwise). Observed against TP=1 x DP=1: losses, KL and grad norms <= 3e-6
 # relative; weights after three SGD steps <= 1.4e-6 absolute (weights ~0.02-1), after three Adam
 # steps <= 1.7e-7 (Adam's eps is 1e-5 here, see tests/dist/trainer_policy.py: at the default 1e-8
 # a near-zero gradient element's rounding decides its update, observed 1.5e-5 at TP=2).
