@@ -279,21 +279,33 @@ def test_server_refusals_are_errors_not_hangs(sglang_engine, hf_dir, base, refer
 
 @pytest.mark.sglang
 @pytest.mark.timeout(300)
-def test_server_killed_during_generate_is_a_clear_error(sglang_engine):
-    """Runs last: kills the module's server (its whole process group) mid-generation."""
+def test_server_killed_during_generate_is_a_clear_error(sglang_engine, monkeypatch):
+    """Runs last: kills the module's server (its whole process group) while a generate request is in
+    flight. The server is stopped (SIGSTOP) before the request goes out, so it cannot answer before
+    the kill however fast the machine is: the outcome does not depend on timing."""
+    import megadiv.rollout.sglang_engine as sglang_engine_module
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=480)
-    outcome = {}
+    outcome, sent = {}, threading.Event()
+    post_generate = sglang_engine_module._post_generate
+
+    def post_then_signal(*args, **kwargs):
+        sent.set()
+        return post_generate(*args, **kwargs)
+
+    monkeypatch.setattr(sglang_engine_module, "_post_generate", post_then_signal)
 
     def rollout():
         try:
-            outcome["result"] = sglang_engine.generate([[5, 6, 7]] * 32, params)  # ~15k tokens: seconds on CPU
+            outcome["result"] = sglang_engine.generate([[5, 6, 7]] * 32, params)
         except RolloutError as e:
             outcome["error"] = e
 
+    pgid = sglang_engine.server.proc.pid
+    os.killpg(pgid, signal.SIGSTOP)
     thread = threading.Thread(target=rollout)
     thread.start()
-    time.sleep(1.0)
-    os.killpg(sglang_engine.server.proc.pid, signal.SIGKILL)
+    assert sent.wait(timeout=60)
+    os.killpg(pgid, signal.SIGKILL)
     thread.join(timeout=sglang_engine.cfg.request_timeout_s + 30)
     assert not thread.is_alive() and "result" not in outcome
     message = str(outcome["error"])
