@@ -11,12 +11,14 @@ or a Python loader added with :func:`register_dataset`.
 """
 from __future__ import annotations
 
+import ast
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from megadiv.data.code_tests import BUILTIN_NAMES, JUDGE_MODULES, UnsplittableTest, plan_test
 from megadiv.data.config import DataConfig
 
 FILES = Path(__file__).resolve().parent / "files"
@@ -41,6 +43,9 @@ class Record:
     """Code run after the program and before the tests (MBPP test_setup_code, test imports)."""
     solution: Optional[str] = None
     """Reference solution: worked text (GSM8K, MATH) or a program (MBPP)."""
+    program_names: tuple[str, ...] = ()
+    """Functions of the program the tests call although Python has a builtin of that name (MBPP
+    126 defines ``sum``); every other builtin name in a test is Python's (code_tests.plan_test)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ def load_dataset(cfg: DataConfig) -> Dataset:
         raise DatasetError(f"{cfg.name}/{cfg.split}: record ids are not unique")
     if cfg.max_items is not None:
         records = records[: cfg.max_items]
+    for record in records:
+        _check_tests(record)
     return Dataset(cfg.name, cfg.split, tuple(records), spec.answer_format, spec.reward)
 
 
@@ -115,6 +122,25 @@ def _check_rows(what: str, found: int, expected: Optional[int]) -> None:
     if expected is not None and found != expected:
         raise DatasetError(f"{what}: expected {expected} rows, found {found}; the data file is incomplete "
                            f"or not the one documented in megadiv/data/files/SOURCES.md")
+
+
+def _check_tests(record: Record) -> None:
+    """Every test of a code record can be graded outside the program (code_tests.plan_test)."""
+    for k, test in enumerate(record.tests):
+        try:
+            plan_test(test, record.test_setup, record.program_names)
+        except UnsplittableTest as e:
+            raise DatasetError(f"{record.id}: test {k} cannot be graded: {e}") from None
+
+
+def shadowed_builtins(tests: tuple[str, ...], program: str) -> tuple[str, ...]:
+    """Names the tests call that are Python builtins and that ``program`` (a reference solution)
+    defines at its top level: those calls are the program's (MBPP 126's ``sum``)."""
+    called = {node.func.id for test in tests for node in ast.walk(ast.parse(test))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    defined = {node.name for node in ast.parse(program).body
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    return tuple(sorted(called & defined & (BUILTIN_NAMES | set(JUDGE_MODULES))))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -190,14 +216,16 @@ def _mbpp_split(rows: list[dict], split: str, total: int, what: str) -> list[dic
 def _mbpp(cfg: DataConfig) -> list[Record]:
     rows = _mbpp_split(read_jsonl(FILES / "mbpp" / "mbpp.jsonl"), cfg.split, 974, "mbpp file")
     return [Record(id=f"mbpp/{r['task_id']}", prompt=r["text"], tests=tuple(r["test_list"]),
-                   test_setup=r["test_setup_code"], solution=r["code"]) for r in rows]
+                   test_setup=r["test_setup_code"], solution=r["code"],
+                   program_names=shadowed_builtins(tuple(r["test_list"]), r["code"])) for r in rows]
 
 
 def _mbpp_sanitized(cfg: DataConfig) -> list[Record]:
     with open(FILES / "mbpp" / "sanitized-mbpp.json", encoding="utf-8") as f:
         rows = _mbpp_split(json.load(f), cfg.split, 427, "mbpp_sanitized file")
     return [Record(id=f"mbpp_sanitized/{r['task_id']}", prompt=r["prompt"], tests=tuple(r["test_list"]),
-                   test_setup="\n".join(r["test_imports"]), solution=r["code"]) for r in rows]
+                   test_setup="\n".join(r["test_imports"]), solution=r["code"],
+                   program_names=shadowed_builtins(tuple(r["test_list"]), r["code"])) for r in rows]
 
 
 def _jsonl(cfg: DataConfig) -> list[Record]:

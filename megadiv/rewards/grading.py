@@ -1,150 +1,103 @@
-"""Grading in the caller: a test's expected values never enter the sandbox, its verdict never leaves it.
+"""Grading outside the program: a test's expected values never enter the sandbox, its verdict never
+leaves the grader.
 
-A test is one ``assert`` statement. ``plan_test`` splits its expression into the part the caller
-evaluates itself (comparisons, ``and``/``or``/``not``, literals, and a few pure builtins such as
-``set``, ``sorted``, ``math.isclose``) and the operands it cannot (calls into the program, e.g.
-``f(3)``): only those "leaves" are sent to the sandbox. The sandbox sends back their values as plain
-data (tagged JSON of builtin types, ``sandbox_child.make_encoder``); ``judge_test`` decodes them and
-evaluates the assert here. So a program can change what its own functions return, and nothing else:
-not the comparison (an object whose ``__eq__`` is always true is not data), not the expected side,
-not the count of tests.
+``megadiv.data.code_tests.plan_test`` splits each assert into the calls into the program (the only
+thing the sandbox evaluates) and the grader's expression. The sandbox sends back the calls' values
+as plain data; ``Judge`` evaluates each expression on them in its own interpreter (``judge.py``,
+a clean ``python -S -I`` the program never touched), bounded in memory and killed at the run's
+deadline. So a program can change what its own functions return, and nothing else: not the
+comparison, not ``sys.getsizeof`` or ``isinstance``, not the methods of its results (a ``str``
+subclass arrives as a ``str``), not the expected side, not the count of tests.
 
-    assert set(f([1, 2])) == {1, 2}   ->  leaves ["f([1, 2])"],  here: set(_v0) == {1, 2}
+    assert set(f([1, 2])) == {1, 2}   ->  sandbox: f([1, 2]);  grader: set(_megadiv_v0) == {1, 2}
 """
 from __future__ import annotations
 
-import ast
-import builtins
+import json
 import math
-import types
-from dataclasses import dataclass
-from typing import Any
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
-# Pure builtins the caller applies to decoded values (a program's own function of the same name is
-# not seen by the test: MBPP tests that call the program's `sum` keep it a leaf because sum is not here).
-SAFE_CALLS = {name: getattr(builtins, name) for name in ("abs", "bool", "float", "frozenset", "int", "len", "list",
-                                                      "round", "set", "sorted", "str", "tuple")}
-_MATH = types.SimpleNamespace(isclose=math.isclose)
-_LEAF = "_v"
+from megadiv.data.code_tests import LEAF_PREFIX, TestPlan, setup_imports
 
-
-@dataclass(frozen=True)
-class TestPlan:
-    source: str
-    leaves: tuple[str, ...]
-    """Source of each operand the sandbox evaluates, in Python's evaluation order."""
-    code: types.CodeType
-    """The assert's expression with each leaf replaced by the name _v<k>; evaluated by the caller."""
+JUDGE = str(Path(__file__).resolve().parent / "judge.py")
 
 
-class _Splitter(ast.NodeTransformer):
-    """Keeps the nodes the caller can evaluate on plain data and turns every other subtree into a leaf."""
+class Judge:
+    """The grader's interpreter for one run. Started when the run starts (its start-up overlaps the
+    sandbox's), given the values at the end, killed at the run's deadline."""
 
     def __init__(self):
-        self.leaves: list[str] = []
+        # -I: no environment, no user site, the script's directory not on sys.path; -S: no site.
+        self.proc = subprocess.Popen([sys.executable, "-S", "-I", "-B", JUDGE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={}, cwd="/")
 
-    def leaf(self, node: ast.expr) -> ast.Name:
-        self.leaves.append(ast.unparse(node))
-        return ast.copy_location(ast.Name(id=f"{_LEAF}{len(self.leaves) - 1}", ctx=ast.Load()), node)
+    def verdicts(self, plans: Sequence[TestPlan], values: Sequence[Optional[list]], setup: str, deadline: float,
+                 memory_mb: int) -> Optional[list[tuple[bool, str]]]:
+        """(passed, why not) per test whose values are not None (the others are not sent); None when
+        the grader ran past ``deadline`` (a monotonic time)."""
+        sent = [(plan, v) for plan, v in zip(plans, values) if v is not None]
+        if not sent:
+            return []
+        payload = {
+            "imports": setup_imports(setup)[0], "memory_mb": memory_mb,
+            "modules": sorted({m for plan, _ in sent for m in plan.modules}),
+            "cpu_s": max(1, math.ceil(deadline - time.monotonic())),
+            "tests": [{"expression": plan.expression, "values": {f"{LEAF_PREFIX}{k}": x for k, x in enumerate(v)}}
+                      for plan, v in sent],
+        }
+        try:
+            out, _ = self.proc.communicate(json.dumps(payload).encode(), timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            return None
+        lines = out.decode("utf-8", "replace").splitlines()
+        verdicts = []
+        for k in range(len(sent)):
+            try:
+                v = json.loads(lines[k])
+                verdicts.append((v["ok"] is True, str(v["why"])[:300]))
+            except (IndexError, ValueError, KeyError, TypeError):  # the grader died (its memory limit)
+                verdicts.append((False, "the grader ran out of memory or time on this test's values"))
+        return verdicts
 
-    def visit(self, node):
-        if isinstance(node, (ast.Compare, ast.BoolOp)) or isinstance(node, ast.Constant):
-            return self.generic_visit(node)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub, ast.UAdd)):
-            return self.generic_visit(node)
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and not any(isinstance(e, ast.Starred) for e in node.elts):
-            return self.generic_visit(node)
-        if isinstance(node, ast.Dict) and None not in node.keys:
-            return self.generic_visit(node)
-        if isinstance(node, ast.Call) and _safe_callee(node.func) and not any(
-                isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords):
-            node.args = [self.visit(a) for a in node.args]
-            for k in node.keywords:
-                k.value = self.visit(k.value)
-            return node
-        if isinstance(node, (ast.expr_context, ast.cmpop, ast.boolop, ast.unaryop, ast.keyword)):
-            return node
-        return self.leaf(node)
-
-
-def _safe_callee(func: ast.expr) -> bool:
-    return (isinstance(func, ast.Name) and func.id in SAFE_CALLS) or (
-        isinstance(func, ast.Attribute) and func.attr == "isclose" and isinstance(func.value, ast.Name)
-        and func.value.id == "math")
-
-
-def plan_test(source: str) -> TestPlan:
-    """Split one test (a single ``assert`` statement) into leaves and the caller's expression.
-    Raises ValueError for anything else: a test that is not an assert cannot be graded here."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as e:
-        raise ValueError(f"test is not valid Python: {source!r} ({e.msg})") from None
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
-        raise ValueError(f"a test must be one assert statement, got {source!r}")
-    splitter = _Splitter()
-    expr = splitter.visit(tree.body[0].test)
-    code = compile(ast.fix_missing_locations(ast.Expression(expr)), "<test>", "eval")
-    return TestPlan(source, tuple(splitter.leaves), code)
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
 
 
-class Opaque:
-    """A value that was not plain data: it has the truth value the sandbox reported and equals nothing."""
-
-    def __init__(self, truth: bool):
-        self.truth = truth
-
-    def __bool__(self):
-        return self.truth
-
-    def __eq__(self, other):
-        return False
-
-    def __ne__(self, other):
-        return True
-
-    __hash__ = object.__hash__
-
-
-def decode(obj: Any) -> Any:
-    """Inverse of the sandbox's encoder (raises on anything malformed; recursion is bounded by the
-    caller's line-length cap and the encoder's depth cap)."""
-    if isinstance(obj, list):
-        return [decode(x) for x in obj]
-    if not isinstance(obj, dict):
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        raise ValueError(f"not plain data: {type(obj).__name__}")
-    tag, v = obj["T"], obj["v"]
-    if tag == "int":
-        return int(v, 16)
-    if tag == "complex":
-        return complex(float(v[0]), float(v[1]))
-    if tag == "bytes":
-        return bytes.fromhex(v)
-    if tag == "object":
-        return Opaque(v is True)
-    items = [decode(x) for x in v]
-    if tag == "tuple":
-        return tuple(items)
-    if tag == "set":
-        return set(items)
-    if tag == "frozenset":
-        return frozenset(items)
-    if tag == "dict":
-        return dict(zip(items[::2], items[1::2]))
-    raise ValueError(f"unknown tag {tag!r}")
+def judge_results(plans: Sequence[TestPlan], events: Sequence[dict], judge: Judge, setup: str, deadline: float,
+                  memory_mb: int) -> tuple[str, int, str]:
+    """(status, passed, detail) from the sandbox's test events (one per plan, in order, checked)."""
+    values = [ev["v"] if "v" in ev and isinstance(ev["v"], list) and len(ev["v"]) == len(plan.leaves) else None
+              for plan, ev in zip(plans, events)]
+    verdicts = judge.verdicts(plans, values, setup, deadline, memory_mb)
+    if verdicts is None:
+        return "timeout", 0, "the grader ran out of time (the run's deadline) on the returned values"
+    verdicts = iter(verdicts)
+    passed, first_bad, limit = 0, "", None
+    for plan, ev, value in zip(plans, events, values):
+        if value is not None:
+            ok, why = next(verdicts)
+            why = why and f"{why} in {plan.source}"[:300]
+        else:
+            ok, why = False, str(ev.get("msg", "malformed test values"))[:300]
+            limit = limit or (why if ev.get("kind") == "limit" else None)
+        passed += ok
+        first_bad = first_bad or why
+    if limit:
+        return "limit", 0, limit
+    if passed == len(plans):
+        return "passed", passed, ""
+    return "failed", passed, first_bad
 
 
-def judge_test(plan: TestPlan, encoded: Any) -> tuple[bool, str]:
-    """(passed, why not) for one test from its leaves' encoded values. Never raises."""
-    try:
-        if not isinstance(encoded, list) or len(encoded) != len(plan.leaves):
-            return False, "malformed test values"
-        names = {f"{_LEAF}{k}": decode(v) for k, v in enumerate(encoded)}
-        names.update(SAFE_CALLS, math=_MATH, __builtins__={})
-        if eval(plan.code, names):  # only comparisons, literals and SAFE_CALLS on plain data
-            return True, ""
-        return False, f"AssertionError: {plan.source}"[:300]
-    except Exception as e:  # noqa: BLE001 - e.g. comparing int with str, set() of lists: the test fails
-        return False, f"{type(e).__name__} while judging {plan.source}"[:300]
+def small_object(pairs: list[tuple[str, Any]]) -> dict:
+    """json object_pairs_hook for the untrusted results stream: the caller never builds a large
+    dict from it (string keys colliding under a known hash seed would cost quadratic time here)."""
+    if len(pairs) > 8:
+        raise ValueError("a results object with more than 8 keys")
+    return dict(pairs)
