@@ -36,15 +36,19 @@ def test_boxed_gold_answers_score_one(name):
     assert [ds[i].answer for i, s in enumerate(scores) if s != 1.0] == []
 
 
-def test_mbpp_reference_solutions_pass_their_tests_in_the_sandbox():
-    ds = load_dataset(DataConfig(name="mbpp", split="test"))
+@pytest.mark.parametrize("name,split", [("mbpp", "test"), ("mbpp_sanitized", "all")])
+def test_mbpp_reference_solutions_pass_their_tests_in_the_sandbox(name, split):
+    """Every reference passes every test, graded outside the program (the sandbox evaluates the
+    calls into the program, the grader's interpreter the rest)."""
+    ds = load_dataset(DataConfig(name=name, split=split))
     start = time.perf_counter()
     # 60 s: mbpp/123 (amicable numbers below 9999, quadratic) needs several CPU seconds on its own.
     with ThreadPoolExecutor(2) as ex:
-        results = list(ex.map(lambda r: run_sandboxed(r.solution, r.tests, 60.0, setup=r.test_setup), ds))
+        results = list(ex.map(lambda r: run_sandboxed(r.solution, r.tests, 60.0, setup=r.test_setup,
+                                                       program_names=r.program_names), ds))
     elapsed = time.perf_counter() - start
     slowest = max(zip(results, ds), key=lambda x: x[0].elapsed_s)
-    print(f"\nMBPP test: {len(ds)} programs in {elapsed:.1f} s ({len(ds) / elapsed:.1f}/s), isolation "
+    print(f"\n{name} {split}: {len(ds)} programs in {elapsed:.1f} s ({len(ds) / elapsed:.1f}/s), isolation "
           f"{Counter(r.isolation for r in results)}, slowest {slowest[1].id} {slowest[0].elapsed_s:.1f} s")
     failures = {r.id: (res.status, res.detail) for r, res in zip(ds, results) if res.status != "passed"}
     assert failures == {}

@@ -25,7 +25,7 @@ import pytest
 from megadiv.rewards import SandboxError, SandboxLimits, run_sandboxed
 from megadiv.rewards.code_reward import code_score
 from megadiv.rewards.sandbox import RUN_MARKER, STATUSES
-from megadiv.rewards.sandbox_child import seccomp_program
+from megadiv.rewards.jail.seccomp import seccomp_program
 
 ROOT_LINUX = sys.platform == "linux" and os.geteuid() == 0
 MODES = {
@@ -192,10 +192,10 @@ def match(text):
                "assert f('complex') == 1 - 2j", "assert f('nested') == [[(1,)], {frozenset({1})}]",
                "assert f('neg') == -5 and f('true') is True", "assert set(f('list')) == {2, 1}",
                "assert math.isclose(f('dict')[(1, 'a')][0], 2.5000001, rel_tol=1e-6)", "assert not f('list') == []",
-               "assert match('abc')", "assert not match('bc')", "assert match('abc') != 1"]  # not data: truth only
+               "assert match('abc')", "assert not match('bc')"]  # only the truth value is used: it crosses
     failing = ["assert f('tuple') == [1, 2]", "assert f('list') == (1, 2)", "assert f('true') == 'True'",
-               "assert f('neg') < 'a'",
-               "assert match('abc') == match('abc')"]  # list vs tuple stays unequal; int < str raises: failed
+               "assert f('neg') < 'a'",  # list vs tuple stays unequal; int < str raises: failed
+               "assert match('abc') != 1", "assert match('abc') == match('abc')"]  # not data: fails
     r = run(program, passing + failing, mode, setup="import math")
     assert (r.status, r.passed) == ("failed", len(passing)), r
 
@@ -321,9 +321,10 @@ def test_every_forgery_scores_zero(mode, forgery, host):
 
 
 def test_forged_results_in_the_callers_parser_score_zero():
-    """The caller's judge on its own: a results stream without the nonce, out of order, short,
-    or with values that are not data is never a pass."""
-    from megadiv.rewards.grading import plan_test
+    """The caller's stream checks and judge on their own: a results stream without the nonce, out
+    of order, short, or with values that are not data is never a pass."""
+    from megadiv.data.code_tests import plan_test
+    from megadiv.rewards.grading import Judge, judge_results
     from megadiv.rewards.sandbox import _status
 
     plans = [plan_test(t) for t in FORGE_TESTS]
@@ -332,16 +333,26 @@ def test_forged_results_in_the_callers_parser_score_zero():
 
     def status(events, nonce="N"):
         raw = "".join(json.dumps({**ev, "n": nonce}) + "\n" for ev in events).encode()
-        return _status(raw, "N", plans, [{"e": "exit", "signal": 0}], False, None, 10)
+        state, detail, tests = _status(raw, "N", len(plans), [{"e": "exit", "signal": 0}], False, None, 10)
+        if tests is None:
+            return state, 0
+        judge = Judge()
+        try:
+            return judge_results(plans, tests, judge, "", time.monotonic() + 60, 256)[:2]
+        finally:
+            judge.close()
 
-    assert status(good)[:2] == ("passed", 2)
-    assert status(good, nonce="M")[:2] == ("crashed", 0)
-    assert status(good[:3])[:2] == ("crashed", 0)  # no done
-    assert status(good[:2] + good[1:])[:2] == ("crashed", 0)  # a test twice
-    assert status([good[0], good[2], good[1], good[3]])[:2] == ("crashed", 0)
-    assert status(good[:3] + [{"e": "done", "count": 1}])[:2] == ("crashed", 0)
-    assert status([good[0], {"e": "test", "i": 0, "v": [{"T": "opaque"}]}, good[2], good[3]])[:2] == ("failed", 1)
-    assert status([good[0], {"e": "test", "i": 0, "v": 3}, good[2], good[3]])[:2] == ("failed", 1)
+    assert status(good) == ("passed", 2)
+    assert status(good, nonce="M") == ("crashed", 0)
+    assert status(good[:3]) == ("crashed", 0)  # no done
+    assert status(good[:2] + good[1:]) == ("crashed", 0)  # a test twice
+    assert status([good[0], good[2], good[1], good[3]]) == ("crashed", 0)
+    assert status(good[:3] + [{"e": "done", "count": 1}]) == ("crashed", 0)
+    assert status([good[0], {"e": "test", "i": 0, "v": [{"T": "object", "v": True}]}, good[2], good[3]]) == ("failed", 1)
+    assert status([good[0], {"e": "test", "i": 0, "v": 3}, good[2], good[3]]) == ("failed", 1)
+    # A results object with many keys is refused before any dict is built from it (hash flooding).
+    wide = {"e": "test", "i": 0, "v": [3], **{f"k{k}": k for k in range(20)}}
+    assert status([good[0], wide, good[2], good[3]]) == ("crashed", 0)
 
 
 # --------------------------------------------------------------------------- never raise, never balloon
@@ -657,10 +668,10 @@ def test_no_leftovers_in_dev_shm_tmp_or_cgroups(mode):
     assert r.status == "failed"
     after_tmp = {n for n in os.listdir("/tmp") if n.startswith(f"megadiv-sandbox-{os.getpid()}-")}
     assert after_tmp == before_tmp == set()
-    from megadiv.rewards.sandbox import _cgroup_base
+    from megadiv.rewards.sandbox_cgroup import cgroup_base
 
-    if _cgroup_base():
-        assert [n for n in os.listdir(_cgroup_base()) if n.startswith(f"megadiv-sandbox-{os.getpid()}-")] == []
+    if cgroup_base():
+        assert [n for n in os.listdir(cgroup_base()) if n.startswith(f"megadiv-sandbox-{os.getpid()}-")] == []
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -679,9 +690,9 @@ def who():
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_program_runs_in_the_runs_cgroup(mode):
-    from megadiv.rewards.sandbox import _cgroup_base
+    from megadiv.rewards.sandbox_cgroup import cgroup_base
 
-    if not _cgroup_base():
+    if not cgroup_base():
         pytest.skip("no writable cgroup v2 here: rlimits only")
     program = "def where():\n    return [l for l in open('/proc/self/cgroup') if l.startswith('0::')][0]"
     r = run(program, [f"assert where().startswith('0::') and 'megadiv-sandbox-{os.getpid()}-' in where()"], mode)
@@ -788,7 +799,7 @@ def test_sandbox_dies_with_a_killed_caller_and_its_leftovers_are_swept(mode):
         f"run_sandboxed('import time\\ntime.sleep(1000)', ['assert 1 == 1'], 600.0, "
         f"limits=SandboxLimits(**{MODES[mode]!r}))")], env={**os.environ, "PYTHONPATH": REPO})
     try:
-        expected = 2 if mode == "unsafe" else 3  # runner, (namespace init,) program
+        expected = 3 if mode == "unsafe" else 4  # the grader, runner, (namespace init,) program
         deadline = time.monotonic() + 60
         while len(_descendants(caller.pid)) < expected and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -807,7 +818,7 @@ def test_sandbox_dies_with_a_killed_caller_and_its_leftovers_are_swept(mode):
                     f"run_sandboxed('', ['assert 1 == 1'], 10.0, limits=SandboxLimits(**{MODES[mode]!r}))"],
                    check=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
     assert [n for n in os.listdir("/tmp") if n.startswith(stale)] == []
-    from megadiv.rewards.sandbox import _cgroup_base
+    from megadiv.rewards.sandbox_cgroup import cgroup_base
 
-    if _cgroup_base():
-        assert [n for n in os.listdir(_cgroup_base()) if n.startswith(stale)] == []
+    if cgroup_base():
+        assert [n for n in os.listdir(cgroup_base()) if n.startswith(stale)] == []

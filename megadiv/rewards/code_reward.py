@@ -69,7 +69,8 @@ class CodeReward:
         program = extract_program(response)
         if program is None:
             return 0.0, "unparsable"
-        result = run_sandboxed(program, record.tests, self.timeout_s, setup=record.test_setup, limits=self.limits)
+        result = run_sandboxed(program, record.tests, self.timeout_s, setup=record.test_setup,
+                               program_names=record.program_names, limits=self.limits)
         return code_score(result, self.partial_credit)
 
     def __call__(self, responses: Sequence[str], records: Sequence) -> RewardResult:

@@ -113,7 +113,8 @@ class ShapedCodeReward(CodeReward):
         except (SyntaxError, ValueError):
             passed, total, status = 0, len(record.tests), "failed"
         else:
-            result = run_sandboxed(program, record.tests, self.timeout_s, setup=record.test_setup, limits=self.limits)
+            result = run_sandboxed(program, record.tests, self.timeout_s, setup=record.test_setup,
+                                   program_names=record.program_names, limits=self.limits)
             passed, total, status = result.passed, result.total, result.status
         ran = status in ("passed", "failed")
         base = passed / total - (0.10 if passed == 0 else 0.0)

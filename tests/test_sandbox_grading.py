@@ -1,0 +1,137 @@
+"""Grading outside the program: the program controls the values of its own calls and nothing else.
+
+Each probe is one test shape run twice, in ``auto`` and ``unsafe`` mode: with a wrong program that
+attacks the grading (a patched module, shadowed builtins, operator overloading, results whose
+methods lie, the ``type``/``isinstance`` of its results) it must score 0; with a correct program it
+must score 1. Tests that cannot be split are refused before anything runs, naming the record.
+"""
+import json
+import os
+import sys
+
+import pytest
+
+from megadiv.data import DataConfig, load_dataset
+from megadiv.data.datasets import DatasetError
+from megadiv.rewards import SandboxLimits, run_sandboxed
+
+ROOT_LINUX = sys.platform == "linux" and os.geteuid() == 0
+MODES = [pytest.param("auto", marks=pytest.mark.skipif(not ROOT_LINUX, reason="auto needs root on Linux")), "unsafe"]
+
+pytestmark = pytest.mark.timeout(600)
+
+# name: (test, a wrong program that attacks the grading, a correct program)
+PROBES = {
+    "patched_sys_getsizeof": (  # MBPP task 596's test shape
+        'assert tuple_size(("A", 1, "B", 2, "C", 3)) == sys.getsizeof(("A", 1, "B", 2, "C", 3))',
+        "import sys\nsys.getsizeof = lambda o, *a: 0\ndef tuple_size(t):\n    return 0",
+        "import sys\ndef tuple_size(t):\n    return sys.getsizeof(t)"),
+    "patched_math_isclose": (
+        "assert math.isclose(area(2), 12.566370614359172, rel_tol=1e-9)",
+        "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return 0.0",
+        "import math\ndef area(r):\n    return math.pi * r * r"),
+    "patched_builtins_module": (
+        "assert len(evens(6)) == 3 and sorted(evens(6)) == [0, 2, 4]",
+        "import builtins\nbuiltins.len = lambda x: 3\nbuiltins.sorted = lambda x: [0, 2, 4]\n"
+        "def evens(n):\n    return []",
+        "def evens(n):\n    return [k for k in range(n) if k % 2 == 0]"),
+    "operator_overloading_object": (
+        "assert abs(area(2) - 12.566370614359172) < 1e-6",
+        "class Zero:\n    def __sub__(self, other):\n        return 0.0\n    __rsub__ = __sub__\n"
+        "def area(r):\n    return Zero()",
+        "import math\ndef area(r):\n    return math.pi * r * r"),
+    "operator_overloading_float_subclass": (
+        "assert abs(area(2) - 12.566370614359172) < 1e-6",
+        "class F(float):\n    def __sub__(self, other):\n        return 0.0\n    def __abs__(self):\n        return 0.0\n"
+        "def area(r):\n    return F(1.0)",
+        "import math\ndef area(r):\n    return math.pi * r * r"),
+    "methods_of_an_object": (
+        "assert greet('bob').startswith('Hello') and greet('bob').endswith('bob')",
+        "class Yes:\n    def __getattr__(self, name):\n        return lambda *a, **k: True\n"
+        "def greet(name):\n    return Yes()",
+        "def greet(name):\n    return 'Hello, ' + name"),
+    "methods_of_a_str_subclass": (
+        "assert greet('bob').startswith('Hello') and greet('bob').endswith('bob')",
+        "class S(str):\n    def startswith(self, *a):\n        return True\n    def endswith(self, *a):\n        return True\n"
+        "def greet(name):\n    return S('nope')",
+        "def greet(name):\n    return 'Hello, ' + name"),
+    "shadowed_all": (
+        "assert all([sq(1) == 1, sq(2) == 4, sq(3) == 9])",
+        "def all(xs):\n    return True\ndef sq(x):\n    return 0",
+        "def sq(x):\n    return x * x"),
+    "shadowed_isinstance": (
+        "assert isinstance(sq(3), int) and sq(3) == 9",
+        "def isinstance(a, b):\n    return True\nclass N:\n    def __eq__(self, o):\n        return True\n"
+        "def sq(x):\n    return N()",
+        "def sq(x):\n    return x * x"),
+    "shadowed_type_and_int": (  # a correct program used to fail this: bare `int` became opaque
+        "assert type(sq(3)) == int",
+        "int = str\ndef type(x):\n    return str\ndef sq(x):\n    return str(x * x)",
+        "def sq(x):\n    return x * x"),
+    "shadowed_len_sorted_set": (
+        "assert len(uniq([3, 1, 3])) == 2 and set(uniq([3, 1, 3])) == {1, 3}",
+        "def len(x):\n    return 2\ndef set(x):\n    return {1, 3}\ndef uniq(xs):\n    return []",
+        "def uniq(xs):\n    return sorted(set(xs))"),
+}
+
+
+def score(program: str, test: str, mode: str) -> tuple[str, int]:
+    r = run_sandboxed(program, [test], 20.0, limits=SandboxLimits(isolation=mode))
+    return r.status, r.passed
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_wrong_program_scores_zero_and_correct_program_scores_one(probe, mode):
+    test, wrong, correct = PROBES[probe]
+    assert score(wrong, test, mode) == ("failed", 0), probe
+    assert score(correct, test, mode) == ("passed", 1), probe
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_values_that_are_not_data_fail_unless_only_their_truth_is_used(mode):
+    program = "import re\ndef match(text):\n    return re.search('^a', text)\n"
+    tests = ["assert match('abc')", "assert not match('bc')", "assert match('abc') and not match('b')",
+             "assert match('abc') != 1", "assert match('abc').group(0) == 'a'"]
+    r = run_sandboxed(program, tests, 20.0, limits=SandboxLimits(isolation=mode))
+    assert (r.status, r.passed) == ("failed", 3), r  # the truth value crosses; the object does not
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_program_objects_are_arguments_inside_the_sandbox(mode):
+    """MBPP 601 passes Pair objects of the program to the program; MBPP 126 defines its own `sum`."""
+    program = ("class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+               "def longest(pairs, n):\n    return max(p.b - p.a for p in pairs[:n])\n"
+               "def sum(a, b):\n    return a + b + 1\n")
+    tests = ["assert longest([Pair(5, 24), Pair(15, 25)], 2) == 19", "assert sum(1, 2) == 4"]
+    r = run_sandboxed(program, tests, 20.0, program_names=("sum",), limits=SandboxLimits(isolation=mode))
+    assert (r.status, r.passed) == ("passed", 2), r
+    # Without the record saying so, `sum` is Python's: sum(1, 2) raises in the grader.
+    r = run_sandboxed(program, tests, 20.0, limits=SandboxLimits(isolation=mode))
+    assert (r.status, r.passed) == ("failed", 1), r
+
+
+def test_unsplittable_tests_are_refused_before_running(tmp_path):
+    for test, why in (("assert all(sq(i) == i * i for i in range(10))", "the test's own variable `i`"),
+                      ("assert list(map(lambda x: sq(x), [1])) == [1]", "the test's own variable `x`"),
+                      ("assert sq(float('inf')) == 1", "neither a constant nor a value of the program"),
+                      ("assert Stack.size == 0", "reads an attribute of the program's `Stack`")):
+        with pytest.raises(ValueError, match=why):
+            run_sandboxed("def sq(x):\n    return x * x", [test], 5.0, limits=SandboxLimits(isolation="unsafe"))
+        data = tmp_path / "tasks.jsonl"
+        data.write_text(json.dumps({"id": "task-7", "prompt": "square", "tests": ["assert sq(2) == 4", test]}) + "\n")
+        with pytest.raises(DatasetError, match=rf"task-7: test 1 cannot be graded: .*{why}"):
+            load_dataset(DataConfig(name="jsonl", path=str(data), split="train", tests_field="tests", id_field="id",
+                                    answer_field=None))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grading_runs_under_the_runs_deadline(mode):
+    """150,000 distinct ints that all hash to 0, turned into a set by the test: quadratic for whoever
+    builds the set. The grader's interpreter does, under the run's deadline: the run times out and
+    the caller never hashes a returned value."""
+    program = "def f(x):\n    return [k * (2 ** 61 - 1) for k in range(1, 150_001)]"
+    limits = SandboxLimits(isolation=mode, line_bytes=16 << 20, results_bytes=16 << 20)
+    r = run_sandboxed(program, ["assert set(f(1)) == {1, 2}"], 8.0, limits=limits)
+    assert (r.status, r.passed) == ("timeout", 0), r
+    assert "grader ran out of time" in r.detail, r
