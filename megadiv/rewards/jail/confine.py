@@ -44,9 +44,10 @@ def effective_capabilities() -> int:
 # Unsafe mode as root: the fresh uid can read only world-readable files, and a Python installed
 # under a private directory (pyenv under /root) is not; the modules programs commonly use are
 # imported before the uid changes (namespaces mode binds the installation into a readable root).
+# socket and struct too, so that a program reaches the socket() guards rather than an ImportError.
 PRELOAD = ("array", "bisect", "cmath", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
-           "fractions", "functools", "heapq", "itertools", "math", "operator", "random", "re", "statistics",
-           "string", "textwrap", "typing", "unicodedata")
+           "fractions", "functools", "heapq", "itertools", "math", "operator", "random", "re", "socket",
+           "statistics", "string", "struct", "textwrap", "typing", "unicodedata")
 
 
 

@@ -1,11 +1,13 @@
 """The libc calls the child needs (prctl, mount, unshare, syscall), bound once at start-up.
 
-``forget()`` drops every foreign function looked up here before the program runs: a cached
-function pointer is callable without a new ``dlsym``, so it must not outlive the set-up (the audit
-hook refuses every ``ctypes.*`` event as well)."""
+``forget()`` drops every resolved foreign function before the program runs: calling one raises no
+audit event on Python 3.11 (only resolving one does: ``ctypes.dlopen``/``dlsym``, which the audit
+hook refuses with every other ``ctypes.*`` event), so none may stay within the program's reach."""
 import ctypes
+import gc
 import os
 import signal
+import sys
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -43,6 +45,15 @@ def die_with_parent() -> None:
 
 
 def forget() -> None:
-    """Drop the foreign functions CDLL cached as attributes (prctl, syscall, mount, ...)."""
-    for name in [n for n in vars(libc) if not n.startswith("_")]:
-        delattr(libc, name)
+    """Drop every resolved foreign function: those a library object cached as attributes (prctl,
+    syscall, mount, ...) and those modules hold (ctypes' own memmove, memset, string_at, cast).
+    Not a boundary (a program can still build a function pointer from an address it computes);
+    seccomp and Landlock are (docs/security.md)."""
+    resolved = (ctypes._CFuncPtr, ctypes.CDLL)
+    for module in list(sys.modules.values()):
+        space = getattr(module, "__dict__", {})
+        for name in [n for n, v in space.items() if isinstance(v, resolved)]:
+            del space[name]
+    for lib in [o for o in gc.get_objects() if isinstance(o, ctypes.CDLL)]:
+        vars(lib).clear()
+    gc.collect()

@@ -16,7 +16,6 @@ run the program and report the calls' values (harness.py).
 Control pipe (CONTROL_FD): start, child, setup_error, exit and ended events from trusted code only;
 the user process closes it before the program runs.
 """
-import gc
 import json
 import os
 import signal
@@ -69,7 +68,6 @@ def user_process(p: dict, results_fd: int, ctl: Channel, workdir: str) -> None:
     os.closerange(fd + 1, 1 << 16)
     del sys.argv[1:]
     forget()  # no foreign function of the set-up survives into the program's reach
-    gc.collect()
     if p["audit_hook"]:
         sys.addaudithook(make_audit_hook(os.path.realpath(workdir), p["max_processes"] > 1))
     try:
