@@ -336,11 +336,11 @@ def test_forged_results_in_the_callers_parser_score_zero():
         state, detail, tests = _status(raw, "N", len(plans), [{"e": "exit", "signal": 0}], False, None, 10)
         if tests is None:
             return state, 0
-        judge = Judge()
+        judge = Judge.acquire(256)
         try:
-            return judge_results(plans, tests, judge, "", time.monotonic() + 60, 256)[:2]
+            return judge_results(plans, tests, judge, "", time.monotonic() + 60)[:2]
         finally:
-            judge.close()
+            judge.release()
 
     assert status(good) == ("passed", 2)
     assert status(good, nonce="M") == ("crashed", 0)

@@ -4,8 +4,8 @@ leaves the grader.
 ``megadiv.data.code_tests.plan_test`` splits each assert into the calls into the program (the only
 thing the sandbox evaluates) and the grader's expression. The sandbox sends back the calls' values
 as plain data; ``Judge`` evaluates each expression on them in its own interpreter (``judge.py``,
-a clean ``python -S -I`` the program never touched), bounded in memory and killed at the run's
-deadline. So a program can change what its own functions return, and nothing else: not the
+a clean ``python -S -I`` the program never touched, reused run after run), bounded in memory and
+killed at the run's deadline. So a program can change what its own functions return, and nothing else: not the
 comparison, not ``sys.getsizeof`` or ``isinstance``, not the methods of its results (a ``str``
 subclass arrives as a ``str``), not the expected side, not the count of tests.
 
@@ -13,10 +13,13 @@ subclass arrives as a ``str``), not the expected side, not the count of tests.
 """
 from __future__ import annotations
 
+import atexit
 import json
-import math
+import os
+import selectors
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -27,54 +30,117 @@ JUDGE = str(Path(__file__).resolve().parent / "judge.py")
 
 
 class Judge:
-    """The grader's interpreter for one run. Started when the run starts (its start-up overlaps the
-    sandbox's), given the values at the end, killed at the run's deadline."""
+    """One grader's interpreter, taken from an idle pool for one run (``acquire``: a new one starts
+    while the sandbox does when none is idle) and given back after it (``release``). A grader that
+    ran past a deadline, or died, is killed instead of given back."""
 
-    def __init__(self):
+    _idle: dict[int, list[Judge]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, memory_mb: int):
+        self.memory_mb = memory_mb
         # -I: no environment, no user site, the script's directory not on sys.path; -S: no site.
-        self.proc = subprocess.Popen([sys.executable, "-S", "-I", "-B", JUDGE], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-S", "-I", "-B", JUDGE, str(memory_mb)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={}, cwd="/")
+        self.healthy = True
 
-    def verdicts(self, plans: Sequence[TestPlan], values: Sequence[Optional[list]], setup: str, deadline: float,
-                 memory_mb: int) -> Optional[list[tuple[bool, str]]]:
+    @classmethod
+    def acquire(cls, memory_mb: int) -> Judge:
+        with cls._lock:
+            idle = cls._idle.setdefault(memory_mb, [])
+            while idle:
+                judge = idle.pop()
+                if judge.proc.poll() is None:
+                    return judge
+        return cls(memory_mb)
+
+    @classmethod
+    def close_idle(cls) -> None:
+        """End every idle grader (at exit; they would end anyway when their stdin closes)."""
+        with cls._lock:
+            idle = [judge for judges in cls._idle.values() for judge in judges]
+            cls._idle.clear()
+        for judge in idle:
+            judge.healthy = False
+            judge.release()
+
+    def release(self) -> None:
+        if self.healthy and self.proc.poll() is None:
+            with self._lock:
+                self._idle[self.memory_mb].append(self)
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+
+    def verdicts(self, plans: Sequence[TestPlan], values: Sequence[Optional[list]], setup: str,
+                 deadline: float) -> Optional[list[tuple[bool, str]]]:
         """(passed, why not) per test whose values are not None (the others are not sent); None when
         the grader ran past ``deadline`` (a monotonic time)."""
         sent = [(plan, v) for plan, v in zip(plans, values) if v is not None]
         if not sent:
             return []
-        payload = {
-            "imports": setup_imports(setup)[0], "memory_mb": memory_mb,
-            "modules": sorted({m for plan, _ in sent for m in plan.modules}),
-            "cpu_s": max(1, math.ceil(deadline - time.monotonic())),
-            "tests": [{"expression": plan.expression, "values": {f"{LEAF_PREFIX}{k}": x for k, x in enumerate(v)}}
-                      for plan, v in sent],
-        }
-        try:
-            out, _ = self.proc.communicate(json.dumps(payload).encode(), timeout=max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
+        payload = {"imports": setup_imports(setup)[0], "modules": sorted({m for plan, _ in sent for m in plan.modules}),
+                   "tests": [{"expression": plan.expression, "values": {f"{LEAF_PREFIX}{k}": x for k, x in enumerate(v)}}
+                             for plan, v in sent]}
+        lines = self._exchange(json.dumps(payload).encode() + b"\n", len(sent), deadline)
+        if lines is None:
+            self.healthy = False
             return None
-        lines = out.decode("utf-8", "replace").splitlines()
         verdicts = []
-        for k in range(len(sent)):
+        for line in lines:
             try:
-                v = json.loads(lines[k])
+                v = json.loads(line)
                 verdicts.append((v["ok"] is True, str(v["why"])[:300]))
-            except (IndexError, ValueError, KeyError, TypeError):  # the grader died (its memory limit)
-                verdicts.append((False, "the grader ran out of memory or time on this test's values"))
+            except (ValueError, KeyError, TypeError):
+                verdicts.append((False, "the grader failed on this test's values"))
+        if len(verdicts) < len(sent):  # it died (its memory limit): the tests it did not judge fail
+            self.healthy = False
+            verdicts += [(False, "the grader ran out of memory on this test's values")] * (len(sent) - len(verdicts))
         return verdicts
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
+    def _exchange(self, request: bytes, n_lines: int, deadline: float) -> Optional[list[bytes]]:
+        """Write ``request``, read ``n_lines`` lines (fewer if the grader dies); None past the deadline."""
+        out, sel = bytearray(), selectors.DefaultSelector()
+        stdin, stdout = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        os.set_blocking(stdin, False)
+        sel.register(stdin, selectors.EVENT_WRITE)
+        sel.register(stdout, selectors.EVENT_READ)
+        view = memoryview(request)
+        try:
+            while out.count(b"\n") < n_lines:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                for key, _ in sel.select(remaining):
+                    if key.fd == stdin:
+                        try:
+                            view = view[os.write(stdin, view[:1 << 16]):]
+                        except BrokenPipeError:
+                            view = view[:0]
+                        if not view:
+                            sel.unregister(stdin)
+                    else:
+                        data = os.read(stdout, 1 << 16)
+                        if not data:
+                            return out.splitlines()
+                        out += data
+        finally:
+            sel.close()
+        return out.splitlines()
 
 
-def judge_results(plans: Sequence[TestPlan], events: Sequence[dict], judge: Judge, setup: str, deadline: float,
-                  memory_mb: int) -> tuple[str, int, str]:
+atexit.register(Judge.close_idle)
+
+
+def judge_results(plans: Sequence[TestPlan], events: Sequence[dict], judge: Judge, setup: str,
+                  deadline: float) -> tuple[str, int, str]:
     """(status, passed, detail) from the sandbox's test events (one per plan, in order, checked)."""
     values = [ev["v"] if "v" in ev and isinstance(ev["v"], list) and len(ev["v"]) == len(plan.leaves) else None
               for plan, ev in zip(plans, events)]
-    verdicts = judge.verdicts(plans, values, setup, deadline, memory_mb)
+    verdicts = judge.verdicts(plans, values, setup, deadline)
     if verdicts is None:
         return "timeout", 0, "the grader ran out of time (the run's deadline) on the returned values"
     verdicts = iter(verdicts)

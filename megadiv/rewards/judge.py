@@ -1,15 +1,16 @@
-"""The grader's interpreter: ``python -S -I -B judge.py``, started by ``megadiv.rewards.grading``.
+"""The grader's interpreter: ``python -S -I -B judge.py MEMORY_MB``, started by ``megadiv.rewards.grading``.
 
 A clean interpreter the program never touched (standard library only, no site, no environment)
 evaluates each test's expression on the values the sandbox returned, decoded here into builtin
 data: comparisons, arithmetic, methods of the returned values, ``len``/``sorted``/``all``/
 ``isinstance``/``type``, the modules of ``JUDGE_MODULES`` and the setup's imports are all Python's
-own. It bounds itself (RLIMIT_AS, RLIMIT_CPU) and the caller kills it at the run's deadline, so a
-value built to be expensive here (a list of ints that all hash to 0 turned into a set) costs the
-run its time, never the caller's.
+own. Its memory is capped (RLIMIT_AS) and the caller kills it at the run's deadline, so a value
+built to be expensive here (a list of ints that all hash to 0 turned into a set) costs the run its
+time, never the caller's. It serves one run after another (each in a fresh namespace) until its
+stdin closes or it is killed.
 
-stdin: one JSON object {"imports", "modules", "tests": [{"expression", "values": {name: encoded
-value}}], "memory_mb", "cpu_s"}; stdout: one line {"ok": bool, "why": str} per test, in order.
+stdin: one JSON line per run {"imports", "modules", "tests": [{"expression", "values": {name:
+encoded value}}]}; stdout: one line {"ok": bool, "why": str} per test, in order.
 """
 import builtins
 import importlib
@@ -50,32 +51,34 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def main() -> None:
-    verdicts = os.fdopen(os.dup(1), "w")
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a test's print() must not reach the verdicts
-    p = json.loads(sys.stdin.buffer.read())
-    memory = p["memory_mb"] << 20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CPU, (p["cpu_s"], p["cpu_s"] + 1))
+def judge(p: dict):
+    """(ok, why) per test of one run."""
     scope = {"__builtins__": builtins}
     scope.update((name, importlib.import_module(name)) for name in p["modules"])
     try:
         exec(p["imports"], scope)
-        setup_error = ""
     except Exception as e:  # noqa: BLE001 - an import the grader's interpreter lacks: every test fails
-        setup_error = f"test setup imports: {describe(e)}"
-    sys.setrecursionlimit(10_000)  # decode() of deep values (the sandbox's encoder caps depth at 64)
+        yield from ((False, f"test setup imports: {describe(e)}") for _ in p["tests"])
+        return
     for test in p["tests"]:
-        ok, why = False, setup_error
-        if not setup_error:
-            try:
-                names = dict(scope)
-                names.update((name, decode(v)) for name, v in test["values"].items())
-                ok = bool(eval(test["expression"], names))
-                why = "" if ok else "AssertionError"
-            except BaseException as e:  # MemoryError, RecursionError, comparing int with str: the test fails
-                why = describe(e)
-        verdicts.write(json.dumps({"ok": ok, "why": why}) + "\n")
+        try:
+            names = dict(scope)
+            names.update((name, decode(v)) for name, v in test["values"].items())
+            ok = bool(eval(test["expression"], names))
+            yield ok, "" if ok else "AssertionError"
+        except BaseException as e:  # MemoryError, RecursionError, comparing int with str: the test fails
+            yield False, describe(e)
+
+
+def main() -> None:
+    verdicts = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a test's print() must not reach the verdicts
+    memory = int(sys.argv[1]) << 20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    sys.setrecursionlimit(10_000)  # decode() of deep values (the sandbox's encoder caps depth at 64)
+    for line in sys.stdin.buffer:
+        for ok, why in judge(json.loads(line)):
+            verdicts.write(json.dumps({"ok": ok, "why": why}) + "\n")
         verdicts.flush()
 
 

@@ -197,7 +197,7 @@ def _run(program: str, plans: list[TestPlan], setup: str, timeout_s: float, limi
     start = time.monotonic()
     cgroup = workdir = proc = streams = None
     results_r = results_w = control_r = control_w = None
-    judge = Judge()  # the grader's interpreter starts while the sandbox does
+    judge = Judge.acquire(limits.memory_mb)  # when none is idle, a new one starts while the sandbox does
     try:
         # memory.max: every process of the run plus the tmpfs; pids.max: + 1 for the namespace init
         cgroup = make_cgroup(name, (limits.memory_mb * limits.max_processes + limits.tmpfs_mb) << 20,
@@ -256,9 +256,9 @@ def _run(program: str, plans: list[TestPlan], setup: str, timeout_s: float, limi
                                         payload["cpu_s"])
         passed = 0
         if tests is not None:
-            status, passed, detail = judge_results(plans, tests, judge, setup, start + timeout_s, limits.memory_mb)
+            status, passed, detail = judge_results(plans, tests, judge, setup, start + timeout_s)
     finally:
-        judge.close()
+        judge.release()
     text = streams[out_fd].decode("utf-8", "replace")
     return SandboxResult(status, passed, len(plans), text, detail, isolation, run_id,
                          time.monotonic() - start), setup_error
