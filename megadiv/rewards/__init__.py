@@ -7,7 +7,7 @@ Public interface:
 - ``build_reward(RewardConfig) -> Reward``; ``reward(responses, records) -> RewardResult`` (scores
   and a reason code per response: correct, wrong, unparsable, timeout, crashed)
 
-Imports nothing from the rest of megadiv.
+Imports from the rest of megadiv only ``megadiv.data.code_tests`` (how a code record's tests split).
 """
 from megadiv.rewards.base import REASONS, RewardResult
 from megadiv.rewards.code_reward import CodeReward, extract_program
