@@ -24,8 +24,8 @@ import pytest
 
 from megadiv.rewards import SandboxError, SandboxLimits, run_sandboxed
 from megadiv.rewards.code_reward import code_score
-from megadiv.rewards.sandbox import RUN_MARKER, STATUSES
 from megadiv.rewards.jail.seccomp import seccomp_program
+from megadiv.rewards.sandbox import RUN_MARKER, STATUSES
 
 ROOT_LINUX = sys.platform == "linux" and os.geteuid() == 0
 MODES = {

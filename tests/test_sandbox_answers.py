@@ -117,7 +117,7 @@ def test_wheel_install_answers_are_unreadable():
         # megadiv.rewards and megadiv.data need only the standard library: --no-deps is enough
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
                         str(site_packages), str(wheel)], check=True, timeout=300, capture_output=True)
-        for folder, dirs, files in os.walk(work):
+        for folder, _, _ in os.walk(work):
             os.chmod(folder, 0o755)
         package = str(site_packages / "megadiv")
         assert (site_packages / "megadiv" / "data" / "files" / "mbpp" / "mbpp.jsonl").is_file()

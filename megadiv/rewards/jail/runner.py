@@ -24,8 +24,19 @@ import sys
 from .audit import make_audit_hook
 from .confine import confine
 from .harness import run_tests
-from .libc import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUTS, PR_SET_CHILD_SUBREAPER, call,
-                   die_with_parent, forget, libc, prctl)
+from .libc import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUTS,
+    PR_SET_CHILD_SUBREAPER,
+    call,
+    die_with_parent,
+    forget,
+    libc,
+    prctl,
+)
 from .namespace import build_root
 
 

@@ -4,9 +4,20 @@ import errno
 import os
 import struct
 
-from .libc import (CLONE_NEWCGROUP, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER,
-                   CLONE_NEWUTS, PR_SET_DUMPABLE, PR_SET_PDEATHSIG, PR_SET_SECCOMP, call, libc)
-
+from .libc import (
+    CLONE_NEWCGROUP,
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    CLONE_NEWUTS,
+    PR_SET_DUMPABLE,
+    PR_SET_PDEATHSIG,
+    PR_SET_SECCOMP,
+    call,
+    libc,
+)
 
 # Denied system calls (EPERM), by architecture: debugging other processes or reading memory behind
 # Python's back, namespaces and mounts, kernel attack surface a program never needs (io_uring, bpf,
