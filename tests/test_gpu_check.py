@@ -155,3 +155,31 @@ def test_smoke_runs_the_items_code_on_cpu(tmp_path):
     assert all(len(s) == 2 for s in bench["samples"].values())
     assert step["figures"]["parameters"] > 0 and step["figures"]["tokens_per_step"] == 32
     assert len(step["samples"]["step_s"]) == 3 and step["figures"]["mfu"] > 0
+
+
+def test_gpu_wheels_gathers_every_wheel_deepspeed_included(tmp_path):
+    """tools/gpu_wheels.sh as the device call's preparation runs it, into a folder named .whl as in
+    the repository (the folder itself once counted as a wheel, so the script always failed). The
+    downloads and the DeepSpeed build are cached in $MEGADIV_CACHE/gpu-wheels: seconds after the
+    first run (which needs PyPI)."""
+    dest = tmp_path / ".whl"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_wheels.sh"), "--dest", str(dest)], capture_output=True,
+                          text=True, timeout=900, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wheels = sorted(p.name for p in dest.iterdir())
+    assert len(wheels) == 12 and all(w.endswith(".whl") for w in wheels), wheels
+    for name in ("megatron_core-0.16.1-cp312", "transformers-5.19.0-", "deepspeed-0.19.8-py3-none-any", "hjson-",
+                 "pydantic-2.", "pydantic_core-", "annotated_types-", "typing_inspection-", "math_verify-0.9.0-"):
+        assert any(w.startswith(name) for w in wheels), name
+        assert name in proc.stdout                                       # listed
+    total = sum((dest / w).stat().st_size for w in wheels)
+    assert f"holds 12 wheels, {total} bytes" in proc.stdout and "of the 64 MiB a device call carries" in proc.stdout
+    import zipfile
+
+    deepspeed = zipfile.ZipFile(dest / next(w for w in wheels if w.startswith("deepspeed")))
+    assert not [n for n in deepspeed.namelist() if n.endswith(".so")]     # DS_BUILD_OPS=0: nothing compiled
+    assert "deepspeed/runtime/zero/stage3.py" in deepspeed.namelist()
+    usage = subprocess.run(["bash", str(REPO / "tools" / "gpu_wheels.sh"), "--bogus"], capture_output=True, text=True,
+                           timeout=60, cwd=REPO)
+    assert usage.returncode == 2 and "usage:" in usage.stderr

@@ -19,11 +19,14 @@ renormalisation), so the trainer divides its logits by the rollout temperature b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from megadiv.rollout.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from megadiv.rollout.sglang_server import TrainerMemory
 
 Bucket = list[tuple[str, torch.Tensor]]
 """One bucket of full, unpadded Hugging Face tensors: [(hf_name, tensor), ...]."""
@@ -133,17 +136,17 @@ def resolve_engine_name(cfg: RolloutConfig) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
 
 
-def make_engine(cfg: RolloutConfig, hf_dir: str, reserved_bytes: int = 0) -> RolloutEngine:
+def make_engine(cfg: RolloutConfig, hf_dir: str, trainer_memory: TrainerMemory | None = None) -> RolloutEngine:
     """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update.
-    ``reserved_bytes``: GPU memory the trainer allocates after a launched server starts."""
+    ``trainer_memory``: the trainer's GPU memory on this node, for servers launched beside it."""
     if resolve_engine_name(cfg) == "embedded":
         from megadiv.rollout.embedded import EmbeddedEngine
         return EmbeddedEngine(hf_dir, cfg)
     if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
         from megadiv.rollout.fleet import FleetEngine
-        return FleetEngine(hf_dir, cfg, reserved_bytes)
+        return FleetEngine(hf_dir, cfg, trainer_memory)
     from megadiv.rollout.sglang_engine import SGLangEngine
-    return SGLangEngine(hf_dir, cfg, reserved_bytes)
+    return SGLangEngine(hf_dir, cfg, trainer_memory)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
