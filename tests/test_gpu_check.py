@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,53 @@ def test_gpu_wheels_gathers_every_wheel_deepspeed_included(tmp_path):
     usage = subprocess.run(["bash", str(REPO / "tools" / "gpu_wheels.sh"), "--bogus"], capture_output=True, text=True,
                            timeout=60, cwd=REPO)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _start_item_with_a_new_session_child(pidfile: Path) -> subprocess.Popen:
+    """An item the way gpu_tests runs tests/torchrun.py: a process in a session of its own below it."""
+    starts = ("import subprocess, sys, time; child = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+              f"open({str(pidfile)!r}, 'w').write(str(child.pid)); time.sleep(300)")
+    item = subprocess.Popen([sys.executable, "-c", starts], start_new_session=True)
+    for _ in range(600):
+        if pidfile.exists() and pidfile.read_text().strip():
+            return item
+        time.sleep(0.1)
+    raise AssertionError("the item did not start its child")
+
+
+def test_processes_a_killed_item_started_in_other_sessions_die_with_it(tmp_path):
+    """tests/torchrun.py starts torchrun and its ranks in a new session, outside the item's process
+    group that gpu_check kills at the budget; they held the GPU for the next items. Hanging item:
+    its new-session child is found below it. Item already killed (coreutils timeout kills it first):
+    its orphan is re-parented to gpu_check (a child subreaper) and found there."""
+    before = gpu_check._descendants()
+    item = _start_item_with_a_new_session_child(tmp_path / "hanging.pid")
+    child = int((tmp_path / "hanging.pid").read_text())
+    assert os.getsid(child) != os.getsid(item.pid)                       # not in the item's session/group
+    gpu_check.kill_item_processes(item, before)
+    assert not _alive(child) and item.returncode is not None
+
+    orphaned = f"""
+import sys
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from tests.test_gpu_check import _start_item_with_a_new_session_child, gpu_check
+gpu_check.become_subreaper()
+before = gpu_check._descendants()
+item = _start_item_with_a_new_session_child(Path({str(tmp_path / 'orphan.pid')!r}))
+item.kill(); item.wait()                                   # the budget killed the item first
+gpu_check.kill_item_processes(item, before)
+print("cleaned")
+"""
+    out = subprocess.run([sys.executable, "-c", orphaned], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.stdout.strip() == "cleaned", out.stderr[-3000:]
+    assert not _alive(int((tmp_path / "orphan.pid").read_text()))

@@ -43,6 +43,7 @@ did, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import importlib.metadata
 import importlib.util
@@ -430,6 +431,7 @@ def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
         log.write(f"\n===== {item.name} (budget {timeout_s:.0f} s): {' '.join(cmd)}\n")
         log.flush()
         tail_start = log.tell()
+        before = _descendants()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -437,8 +439,7 @@ def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
         except subprocess.TimeoutExpired:
             rc = 124
         finally:
-            _kill_group(proc.pid)    # torchrun ranks, pytest children, servers: nothing outlives the item
-            proc.wait()
+            kill_item_processes(proc, before)   # torchrun ranks, pytest children, servers: nothing outlives it
         log.flush()
         if rc in (124, 137):
             out = {"status": "failed", "reason": f"timed out after {timeout_s:.0f} s (its budget)"}
@@ -454,11 +455,40 @@ def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
     return out
 
 
-def _kill_group(pid: int) -> None:
+def become_subreaper() -> None:
+    """Make this process the Linux child subreaper of its descendants: an orphan (torchrun, which
+    tests/torchrun.py starts in a session of its own, after the budget killed the item that
+    started it) is re-parented here instead of to init, so kill_item_processes still finds it."""
+    if sys.platform.startswith("linux"):
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def kill_item_processes(proc: subprocess.Popen, before: set[int]) -> None:
+    """SIGKILL the item's process group, and every other descendant of this process that was not
+    there before the item started (``before``): processes started in a new session (torchrun and
+    its ranks, servers) are outside the item's group but still below this process, directly or,
+    orphaned, through become_subreaper. They hold the GPU for the next item otherwise."""
+    import psutil
+
+    strays = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for p in strays:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(strays, timeout=10)   # reaps those re-parented here
 
 
 def environment(cuda: bool) -> dict:
@@ -565,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_item_here(args.item, args.result, args.work, args.smoke)
     if args.out_dir is None:
         parser.error("OUT_DIR is required")
+    become_subreaper()
     only = None
     if args.only:
         only = [name.strip() for name in args.only.split(",") if name.strip()]
