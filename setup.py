@@ -29,7 +29,7 @@ setup(
         # SGLang release whose weight-update API megadiv speaks (it pins torch and transformers).
         # apex is not on PyPI: the NGC image carries it, or build it from NVIDIA's sources.
         "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0", "sglang==0.5.23", "torch==2.14.1"],
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff==0.17.5"],
     },
     entry_points={"console_scripts": ["megadiv=megadiv.cli:main"]},
 )

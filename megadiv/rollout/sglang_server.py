@@ -31,7 +31,6 @@ from pathlib import Path
 
 import psutil
 import requests
-import torch
 
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutError
@@ -85,6 +84,7 @@ def gather_trainer_memory(reserved_bytes: int) -> TrainerMemory:
     """Collective: every trainer rank calls it with its own ``reserved_bytes``; each reports its
     GPU's free memory, and all get this node's (the node of rank 0, which launches the servers),
     indexed by LOCAL_RANK = the GPU that rank uses (torchrun)."""
+    import torch
     import torch.distributed as dist
 
     mine = (int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),

@@ -28,8 +28,7 @@ from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine, r
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.experience import (Experience, build_experience, concat, informative_groups,
-                                        take_groups)
+from megadiv.trainer.experience import Experience, build_experience, concat, informative_groups, take_groups
 from megadiv.trainer.metrics import StepTimer
 
 log = logging.getLogger(__name__)
