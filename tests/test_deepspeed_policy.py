@@ -181,4 +181,4 @@ def test_bf16_zero0_and_zero3_follow_float32(bf16, parity):
             if stage == 3:
                 assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=3e-2), i
         for k, w in run["weights"].items():
-            torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=1.5e-2, msg=lambda m, k=k: f"ZeRO-{stage} {k}: {m}")
+            torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=1.5e-2, msg=lambda m, k=k, s=stage: f"ZeRO-{s} {k}: {m}")
