@@ -7,7 +7,7 @@
 # Downloads and the DeepSpeed build are cached in $MEGADIV_CACHE/gpu-wheels (default
 # ~/.cache/megadiv): a second run needs no network. Python: $PYTHON, else .venv's, else python3.
 #
-# The image (/work/.library/device/KINDS.md: Python 3.12.3, torch 2.11.0+cu130, transformers
+# The verification machine's image (as described for it: Python 3.12.3, torch 2.11.0+cu130, transformers
 # 5.17, numpy, packaging, pyyaml, safetensors, tokenizers 0.23.2, huggingface-hub 1.33, sympy,
 # scipy, psutil, tensorboard, matplotlib, requests, pytest, pytest-timeout, einops, msgpack, ninja,
 # py-cpuinfo, tqdm) lacks:
