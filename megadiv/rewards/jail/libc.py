@@ -45,15 +45,14 @@ def die_with_parent() -> None:
 
 
 def forget() -> None:
-    """Drop every resolved foreign function: those a library object cached as attributes (prctl,
-    syscall, mount, ...) and those modules hold (ctypes' own memmove, memset, string_at, cast).
-    Not a boundary (a program can still build a function pointer from an address it computes);
-    seccomp and Landlock are (docs/security.md)."""
-    resolved = (ctypes._CFuncPtr, ctypes.CDLL)
-    for module in list(sys.modules.values()):
-        space = getattr(module, "__dict__", {})
-        for name in [n for n, v in space.items() if isinstance(v, resolved)]:
+    """Drop every resolved foreign function: those ``libc`` cached as attributes (prctl, syscall,
+    mount, ...) and those ctypes' modules hold (memmove, memset, string_at, wstring_at, cast). Nothing else
+    references them, so they are freed here. Not a boundary (a program can still build a function
+    pointer from an address it computes); seccomp and Landlock are (docs/security.md)."""
+    for library in (libc, ctypes.pythonapi):
+        vars(library).clear()
+    for module in [m for name, m in sys.modules.items() if name == "ctypes" or name.startswith("ctypes.")]:
+        space = vars(module)  # ctypes._endian re-exports memmove and memset
+        for name in [n for n, v in space.items() if isinstance(v, (ctypes._CFuncPtr, ctypes.CDLL))]:
             del space[name]
-    for lib in [o for o in gc.get_objects() if isinstance(o, ctypes.CDLL)]:
-        vars(lib).clear()
-    gc.collect()
+    gc.collect()  # the ones held in reference cycles
