@@ -2,7 +2,8 @@
 
 - :func:`load_dataset` (registry :data:`DATASETS`, :func:`register_dataset`): GSM8K, MATH-500,
   AIME 2024/2025, MBPP (+ sanitized), the synthetic arithmetic task, graded arithmetic word
-  problems, and user JSONL files; row counts are checked on every load.
+  problems, and a user's files (user_files.py: JSONL, and through Hugging Face ``datasets``
+  Parquet, JSON, CSV and save_to_disk directories); row counts are checked on every load.
 - :class:`PromptTemplate`: chat or plain templates that state the answer format.
 - :class:`PromptSampler` / :func:`shard`: deterministic epoch shuffles split across DP ranks.
 
@@ -13,6 +14,7 @@ from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec,
                                    register_dataset)
 from megadiv.data.arithmetic import char_tokenizer  # importing it registers the "arithmetic" dataset
 from megadiv.data import word_problems  # noqa: F401  (registers "word_arithmetic")
+from megadiv.data import user_files  # noqa: F401  (registers "jsonl" and "hf")
 from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
 from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
 

@@ -6,8 +6,8 @@ the split and the number of rows against what the registry entry expects, and tr
 
     ds = load_dataset(DataConfig(name="gsm8k", split="test"))   # 1,319 records, or DatasetError
 
-A user's own data is a JSONL file plus a config entry (``name: jsonl``, ``path``, field names),
-or a Python loader added with :func:`register_dataset`.
+A user's own data is a file plus a config entry (``name: jsonl`` or ``hf``, ``path``, field names;
+megadiv/data/user_files.py), or a Python loader added with :func:`register_dataset`.
 """
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ class Record:
     """Gold final answer (a number or a LaTeX expression, without \\boxed)."""
     tests: tuple[str, ...] = ()
     """Assert statements a program must pass (code tasks)."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """(role, content) chat messages given by the data file itself (verl's ``prompt`` column): the
+    chat template renders them as they are, and ``prompt`` holds the last user message's content."""
     test_setup: str = ""
     """Code run after the program and before the tests (MBPP test_setup_code, test imports)."""
     solution: Optional[str] = None
@@ -160,8 +163,6 @@ MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "
                "all": (1, 974)}
 
 
-
-
 def gbmpo_mbpp_task_ids(split: str) -> list[int]:
     """The GBMPO authors' split of MBPP's 374 training tasks (ids 601-974) for ES meta-learning
     (Lexsi-Labs/aligntune, meta_es/es_utils.py get_mbpp_splits): scikit-learn's
@@ -200,33 +201,6 @@ def _mbpp_sanitized(cfg: DataConfig) -> list[Record]:
                    test_setup="\n".join(r["test_imports"]), solution=r["code"]) for r in rows]
 
 
-def _jsonl(cfg: DataConfig) -> list[Record]:
-    path = Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise DatasetError(f"data.path: no such file {path}")
-    records = []
-    for n, row in enumerate(read_jsonl(path)):
-        def get(key: Optional[str], kinds: tuple[type, ...]):
-            if key is None:
-                return None
-            if key not in row:
-                raise DatasetError(f"{path}: row {n} has no field {key!r} (fields: {sorted(row)})")
-            if not isinstance(row[key], kinds):
-                raise DatasetError(f"{path}: row {n} field {key!r} is {type(row[key]).__name__}, expected "
-                                   + " or ".join(k.__name__ for k in kinds))
-            return row[key]
-        answer = get(cfg.answer_field, (str, int, float))
-        tests = get(cfg.tests_field, (list,))
-        if tests is not None and (not tests or not all(isinstance(t, str) and t.strip() for t in tests)):
-            # Zero tests would grade every program as correct (or, now, as wrong): a dataset error.
-            raise DatasetError(f"{path}: row {n} field {cfg.tests_field!r} must be a non-empty list of "
-                               f"test statements, got {tests!r:.200}")
-        records.append(Record(id=str(get(cfg.id_field, (str, int)) if cfg.id_field else n),
-                              prompt=get(cfg.prompt_field, (str,)), answer=None if answer is None else str(answer),
-                              tests=tuple(tests or ())))
-    return records
-
-
 def _register_builtins() -> None:
     builtins = {
         "gsm8k": DatasetSpec(_gsm8k, {"train": 7473, "test": 1319}, "hash", "math",
@@ -242,7 +216,6 @@ def _register_builtins() -> None:
         "mbpp_sanitized": DatasetSpec(_mbpp_sanitized,
                                       {"prompt": 7, "test": 257, "validation": 43, "train": 120, "all": 427},
                                       "code", "code", "Hand-verified MBPP subset"),
-        "jsonl": DatasetSpec(_jsonl, {}, "boxed", "math", "A user's JSON-lines file", any_split=True),
     }
     for name, spec in builtins.items():
         register_dataset(name, spec)

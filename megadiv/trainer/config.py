@@ -221,7 +221,7 @@ class TrainConfig:
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
         thinking = [d for d in (self.data, self.eval.data, *self.eval.extra_data) if d and d.enable_thinking]
-        if thinking and self.model.has_checkpoint() and "enable_thinking" not in _chat_template_text(self.model.hf_dir):
+        if thinking and self.model.has_checkpoint() and "enable_thinking" not in chat_template_text(self.model.hf_dir):
             raise ConfigError(f"data.enable_thinking=true ({thinking[0].name}:{thinking[0].split}) but the chat template "
                               f"of {self.model.hf_dir} has no thinking mode (it never reads enable_thinking)")
 
@@ -312,14 +312,14 @@ class TrainConfig:
 
     @property
     def data_has_answers(self) -> bool:
-        return self.data.name != "jsonl" or self.data.answer_field is not None
+        return not self.data.user_file or self.data.answer_field is not None
 
     @property
     def needs_reference(self) -> bool:
         return self.loss.kl_coef > 0 or self.loss.regularizer is not None
 
 
-def _chat_template_text(hf_dir: str) -> str:
+def chat_template_text(hf_dir: str) -> str:
     """The chat template(s) a checkpoint ships: tokenizer_config.json's and chat_template.jinja."""
     d, text = Path(hf_dir), ""
     if (d / "tokenizer_config.json").is_file():
