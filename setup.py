@@ -19,6 +19,7 @@ setup(
         "transformers>=4.51",
         "math-verify>=0.9",
         "tensorboard>=2.14",
+        "datasets>=3.0",
         "matplotlib>=3.7",
         "requests>=2.31",
         "deepspeed>=0.16",
@@ -27,6 +28,7 @@ setup(
         # GPU tier: CUDA builds only. apex is not on PyPI: build it from NVIDIA's sources.
         "gpu": ["transformer-engine[pytorch]>=2.2", "sglang>=0.5.23"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        "wandb": ["wandb>=0.19"],  # run.loggers: [..., wandb]
     },
     entry_points={"console_scripts": ["megadiv=megadiv.cli:main"]},
 )
