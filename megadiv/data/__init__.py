@@ -9,12 +9,14 @@
 
 Imports nothing from the rest of megadiv.
 """
-from megadiv.data.config import DataConfig
-from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset,
-                                   register_dataset)
+# registration order is the order DATASETS lists: the built-in datasets, "arithmetic", then "jsonl",
+# "hf" (a user's files) and "word_arithmetic"
 from megadiv.data.arithmetic import char_tokenizer  # importing it registers the "arithmetic" dataset
-from megadiv.data import word_problems  # noqa: F401  (registers "word_arithmetic")
-from megadiv.data import user_files  # noqa: F401  (registers "jsonl" and "hf")
+
+# isort: split
+from megadiv.data import user_files, word_problems  # noqa: F401  (register "jsonl", "hf", "word_arithmetic")
+from megadiv.data.config import DataConfig
+from megadiv.data.datasets import DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset, register_dataset
 from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
 from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
 
