@@ -7,7 +7,6 @@ train two steps."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -94,16 +95,7 @@ def records_from_rows(rows: Iterable[dict], cfg: DataConfig, path: Path) -> list
     """One Record per row, fields taken by (dotted) name; ids are the row numbers without id_field."""
     records = []
     for n, row in enumerate(rows):
-        def get(key: Optional[str], kinds: tuple[type, ...], expected: str = "") -> Any:
-            if key is None:
-                return None
-            value = field_value(row, key, f"{path}: row {n}")
-            if not isinstance(value, kinds):
-                got = "null" if value is None else f"{type(value).__name__} {value!r:.80}"
-                raise DatasetError(f"{path}: row {n} field {key!r} is {got}, expected "
-                                   + (expected or " or ".join(k.__name__ for k in kinds)))
-            return value
-
+        get = partial(_field, row, f"{path}: row {n}")
         prompt = get(cfg.prompt_field, (str, list), "a string or a list of chat messages")
         messages = _messages(prompt, f"{path}: row {n} field {cfg.prompt_field!r}") if isinstance(prompt, list) else ()
         answer = get(cfg.answer_field, (str, int, float))
@@ -117,6 +109,18 @@ def records_from_rows(rows: Iterable[dict], cfg: DataConfig, path: Path) -> list
                               answer=None if answer is None else str(answer), tests=tuple(tests or ()),
                               messages=messages))
     return records
+
+
+def _field(row: dict, where: str, key: Optional[str], kinds: tuple[type, ...], expected: str = "") -> Any:
+    """The value of field ``key`` of ``row`` (``where``: file and row), one of ``kinds``; None for no key."""
+    if key is None:
+        return None
+    value = field_value(row, key, where)
+    if not isinstance(value, kinds):
+        got = "null" if value is None else f"{type(value).__name__} {value!r:.80}"
+        raise DatasetError(f"{where} field {key!r} is {got}, expected "
+                           + (expected or " or ".join(k.__name__ for k in kinds)))
+    return value
 
 
 def field_value(row: dict, key: str, where: str) -> Any:
