@@ -151,3 +151,8 @@ def test_check_config_reports_a_bad_file_in_one_line(tmp_path, capsys):
     assert main(["check-config", *base, "data.answer_field=reward_model.gold"]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert f"{path}: row 0 has no field 'reward_model.gold'" in line
+    good = write_parquet(tmp_path / "good.parquet", verl_rows())
+    assert main(["check-config", *base, f"data.path={good}", "data.answer_format=hash"]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert line == (f"megadiv: invalid config: data: data.answer_format does not apply to the chat-message prompts of "
+                    f"{good}: they are rendered as the file gives them (put a system message or instruction in the file)")

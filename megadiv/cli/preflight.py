@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megadiv.config import ConfigError, ModelConfig
 from megadiv.data import DataConfig, load_dataset
+from megadiv.data.templates import check_message_prompts
 from megadiv.trainer.config import TrainConfig, chat_template_text
 from megadiv.trainer.loggers import import_wandb
 
@@ -35,8 +36,8 @@ def preflight(cfg: TrainConfig) -> list[str]:
 
 
 def _check_data(data: DataConfig, section: str, model: ModelConfig) -> None:
-    """The data loads and is not empty; prompts given as chat messages have a chat template to render
-    them (a model made by warm_start.make_model always has one)."""
+    """The data loads and is not empty; prompts given as chat messages are rendered as they are (no
+    data key adds to them) by a chat template (a model made by warm_start.make_model always has one)."""
     from megadiv.data.datasets import DatasetError
 
     try:
@@ -45,9 +46,14 @@ def _check_data(data: DataConfig, section: str, model: ModelConfig) -> None:
         raise ConfigError(f"{section}: {e}") from None
     if len(dataset) == 0:
         raise ConfigError(f"{section}: {data.path or f'{data.name}/{data.split}'} holds no records")
-    if model.has_checkpoint() and any(r.messages for r in dataset) and not chat_template_text(model.hf_dir):
-        raise ConfigError(f"{section}: the prompts of {data.path} are chat messages, and the tokenizer of "
-                          f"model.hf_dir={model.hf_dir} has no chat template to render them")
+    if any(r.messages for r in dataset):
+        try:
+            check_message_prompts(data)
+        except ValueError as e:
+            raise ConfigError(f"{section}: {e}") from None
+        if model.has_checkpoint() and not chat_template_text(model.hf_dir):
+            raise ConfigError(f"{section}: the prompts of {data.path} are chat messages, and the tokenizer of "
+                              f"model.hf_dir={model.hf_dir} has no chat template to render them")
 
 
 def _check_writable(path: Path, key: str) -> None:

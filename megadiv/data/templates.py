@@ -126,15 +126,15 @@ def takes_enable_thinking(tokenizer) -> bool:
     return "enable_thinking" in template
 
 
-def _check_message_prompts(cfg: DataConfig, kind: str, tokenizer) -> None:
+def check_message_prompts(cfg: DataConfig, tokenizer=None) -> None:
     """Prompts given as chat messages are the whole prompt: only a chat template renders them, and
-    nothing is added to them."""
+    nothing is added to them. Without ``tokenizer``, the config alone is checked (check-config)."""
     source = cfg.path or f"{cfg.name}/{cfg.split}"
-    if not has_chat_template(tokenizer):
+    if tokenizer is not None and not has_chat_template(tokenizer):
         raise ValueError(f"data.prompt_field {cfg.prompt_field!r} of {source} holds chat messages, which the "
                          f"tokenizer's chat template renders, and this tokenizer has none (use a model whose "
                          f"tokenizer has a chat_template, or store the prompts as text)")
-    if kind != "chat":
+    if cfg.template not in ("auto", "chat"):
         raise ValueError(f"data.template={cfg.template!r} cannot render the chat-message prompts of {source}; "
                          f"use auto or chat")
     for key, default in (("system_prompt", None), ("prompt_style", "default"), ("answer_format", "default")):
@@ -162,7 +162,7 @@ class PromptTemplate:
         if kind == "auto":
             kind = "chat" if has_chat_template(tokenizer) else "plain"
         if any(r.messages for r in dataset):
-            _check_message_prompts(cfg, kind, tokenizer)
+            check_message_prompts(cfg, tokenizer)
         if kind == "chat" and not has_chat_template(tokenizer):
             raise ValueError("data.template='chat' but the tokenizer has no chat_template")
         if cfg.enable_thinking and not (kind == "chat" and takes_enable_thinking(tokenizer)):
