@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def wandb_records(path: Path) -> list:
 
 def wandb_runs(run_dir: Path) -> list[dict]:
     """Each offline W&B run directory under run_dir/wandb, oldest first: its id, the run record's
-    name, project, tags and config, the history's steps and the last summary values."""
+    name, project, tags and config, the history's steps, the last summary values, the exit code."""
     runs = []
     for d in sorted((run_dir / "wandb").glob("offline-run-*")):
         (path,) = d.glob("run-*.wandb")
@@ -64,6 +65,8 @@ def wandb_runs(run_dir: Path) -> list[dict]:
                 out["steps"].append(_items(record.history.item))
             elif kind == "summary":
                 out["summary"] |= _items(record.summary.update)
+            elif kind == "exit":
+                out["exit_code"] = record.exit.exit_code
         runs.append(out)
     return runs
 
@@ -86,6 +89,9 @@ def test_every_logger_gets_each_record_and_a_resume_continues_the_wandb_run(tmp_
     logger.log(2, {"reward/mean": 0.75})  # dropped from metrics.jsonl and TensorBoard by the resume below
     logger.close()
     first_id = (tmp_path / "wandb" / "megadiv_run_id").read_text().strip()
+    # W&B names a run's directory offline-run-<start second>-<id>: a resume of the same id within the
+    # same second would land in the first launch's directory (launches are minutes apart, not here)
+    time.sleep(1.1)
 
     resumed = MetricsLogger(tmp_path, True, 3, run, config, resumed_step=1)
     resumed.log(2, {"reward/mean": 0.8})
@@ -105,7 +111,7 @@ def test_every_logger_gets_each_record_and_a_resume_continues_the_wandb_run(tmp_
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.5), (2, pytest.approx(0.8)),
                                                                            (3, pytest.approx(0.9))]
-    first, second = wandb_runs(tmp_path)
+    first, second = wandb_runs(tmp_path)  # (both start with the run record; sorted by start time)
     assert first["id"] == second["id"] == first["run_id"] == first_id  # one W&B run, continued
     assert (first["name"], first["project"], first["tags"]) == ("mine", "proj", ["a", "b"])
     assert first["config"]["grpo"] == {"steps": 3}
@@ -113,8 +119,12 @@ def test_every_logger_gets_each_record_and_a_resume_continues_the_wandb_run(tmp_
     assert second["summary"]["accuracy_after"] == 0.5 and second["summary"]["steps"] == 3
 
     fresh = MetricsLogger(tmp_path, True, 3, run, config)  # a fresh start in the same directory: a new run
-    fresh.close()
-    assert (tmp_path / "wandb" / "megadiv_run_id").read_text().strip() != first_id
+    fresh.close(failed=True)  # as when the run stops on an error
+    wandb.teardown()
+    third_id = (tmp_path / "wandb" / "megadiv_run_id").read_text().strip()
+    (third,) = [r for r in wandb_runs(tmp_path) if r["id"] == third_id]
+    assert third_id != first_id
+    assert (first["exit_code"], second["exit_code"], third["exit_code"]) == (0, 0, 1)
 
 
 def test_other_ranks_log_nothing(tmp_path):

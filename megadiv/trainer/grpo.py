@@ -115,6 +115,10 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             logger.log(cfg.grpo.steps, after, prefix="eval")
             _finish(cfg, run_dir, logger, state, after)
         return run_dir
+    except BaseException:
+        if logger:
+            logger.close(failed=True)  # W&B marks its run failed, not finished
+        raise
     finally:
         if logger:
             logger.close()

@@ -2,7 +2,7 @@
 
 Every backend is built with the run directory, the ``run`` section, the resolved config and the
 step a resume starts from, and then takes ``log(step, metrics)`` for each record, ``summary(dict)``
-once at the end and ``close()``. ``MetricsLogger`` (metrics.py) fans each call out to the backends
+once at the end and ``close(failed)``. ``MetricsLogger`` (metrics.py) fans each call out to the backends
 the run lists, so the loop never knows which are on.
 
 - ``jsonl``: metrics.jsonl (one JSON object per record) and summary.json; always on.
@@ -38,7 +38,7 @@ class JsonlLogger:
     def summary(self, summary: dict) -> None:
         self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
 
-    def close(self) -> None:
+    def close(self, failed: bool) -> None:
         pass
 
 
@@ -60,7 +60,7 @@ class TensorBoardLogger:
     def summary(self, summary: dict) -> None:
         pass  # the scalars are all there already
 
-    def close(self) -> None:
+    def close(self, failed: bool) -> None:
         self.writer.close()
 
 
@@ -86,8 +86,8 @@ class WandbLogger:
     def summary(self, summary: dict) -> None:
         self.run.summary.update(summary)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # W&B shows a failed run as such
 
 
 LOGGERS: dict[str, type] = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}

@@ -81,11 +81,12 @@ class MetricsLogger:
         for backend in self.backends:
             backend.summary(summary)
 
-    def close(self) -> None:
-        """Close every backend (idempotent: the loop closes on every way out)."""
+    def close(self, failed: bool = False) -> None:
+        """Close every backend, ``failed`` when the run stops on an error or a signal (idempotent:
+        the loop closes on every way out)."""
         backends, self.backends = self.backends, []
         for backend in backends:
-            backend.close()
+            backend.close(failed)
 
 
 def plot_curves(run_dir: Path, keys=("reward/mean", "eval/accuracy", "entropy", "ref/k3",
