@@ -37,13 +37,13 @@ class Record:
     """Gold final answer (a number or a LaTeX expression, without \\boxed)."""
     tests: tuple[str, ...] = ()
     """Assert statements a program must pass (code tasks)."""
-    messages: tuple[tuple[str, str], ...] = ()
-    """(role, content) chat messages given by the data file itself (verl's ``prompt`` column): the
-    chat template renders them as they are, and ``prompt`` holds the last user message's content."""
     test_setup: str = ""
     """Code run after the program and before the tests (MBPP test_setup_code, test imports)."""
     solution: Optional[str] = None
     """Reference solution: worked text (GSM8K, MATH) or a program (MBPP)."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """(role, content) chat messages given by the data file itself (verl's ``prompt`` column): the
+    chat template renders them as they are, and ``prompt`` holds the last user message's content."""
 
 
 @dataclass(frozen=True)

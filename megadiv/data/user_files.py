@@ -86,7 +86,7 @@ def _read_hf(datasets, path: Path, split: str) -> list[dict]:
             return datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=cache,
                                          keep_in_memory=True).to_list()
         except Exception as e:  # datasets wraps the parser's error (pyarrow, pandas), which names the row
-            if path.suffix == ".jsonl":
+            if path.suffix.lower() == ".jsonl":
                 read_jsonl(path)  # a line that is not JSON: this names the file and the line
             raise DatasetError(f"{path}: not a readable {kind} file: {_parser_message(e)}") from None
 
