@@ -99,7 +99,6 @@ class DataConfig:
         _check(self.arithmetic_train_size is None or self.arithmetic_train_size >= 1, "arithmetic_train_size",
                f"must be >= 1, got {self.arithmetic_train_size}")
 
-
     @property
     def user_file(self) -> bool:
         """A user's file (jsonl, hf), read through the field keys."""

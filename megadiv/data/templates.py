@@ -126,14 +126,10 @@ def takes_enable_thinking(tokenizer) -> bool:
     return "enable_thinking" in template
 
 
-def check_message_prompts(cfg: DataConfig, tokenizer=None) -> None:
+def check_message_prompts(cfg: DataConfig) -> None:
     """Prompts given as chat messages are the whole prompt: only a chat template renders them, and
-    nothing is added to them. Without ``tokenizer``, the config alone is checked (check-config)."""
+    no data key adds to them (checked by check-config too, before any tokenizer is loaded)."""
     source = cfg.path or f"{cfg.name}/{cfg.split}"
-    if tokenizer is not None and not has_chat_template(tokenizer):
-        raise ValueError(f"data.prompt_field {cfg.prompt_field!r} of {source} holds chat messages, which the "
-                         f"tokenizer's chat template renders, and this tokenizer has none (use a model whose "
-                         f"tokenizer has a chat_template, or store the prompts as text)")
     if cfg.template not in ("auto", "chat"):
         raise ValueError(f"data.template={cfg.template!r} cannot render the chat-message prompts of {source}; "
                          f"use auto or chat")
@@ -162,7 +158,11 @@ class PromptTemplate:
         if kind == "auto":
             kind = "chat" if has_chat_template(tokenizer) else "plain"
         if any(r.messages for r in dataset):
-            check_message_prompts(cfg, tokenizer)
+            check_message_prompts(cfg)
+            if not has_chat_template(tokenizer):
+                raise ValueError(f"data.prompt_field {cfg.prompt_field!r} of {cfg.path or cfg.name} holds chat "
+                                 f"messages, which the tokenizer's chat template renders, and this tokenizer has "
+                                 f"none (use a model whose tokenizer has a chat_template, or store the prompts as text)")
         if kind == "chat" and not has_chat_template(tokenizer):
             raise ValueError("data.template='chat' but the tokenizer has no chat_template")
         if cfg.enable_thinking and not (kind == "chat" and takes_enable_thinking(tokenizer)):
