@@ -5,32 +5,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megadiv.config import load_config
+import pytest
+
+from megadiv.config import ConfigError, load_config
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.model_card import render_model_card, write_model_card
 
 REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "tiny" / "grpo.yaml"
 
 SUMMARY = {"steps": 200, "eval_before": {"eval/accuracy": 0.093, "eval/avg@4": 0.05, "eval/pass@4": 0.2},
            "eval_after": {"eval/accuracy": 0.274, "eval/avg@4": 0.21, "eval/pass@4": 0.5}}
 
 
-def test_card_of_a_hub_base_model_parses_with_the_hub_client(tmp_path, monkeypatch):
+def test_card_of_a_hub_base_model_parses_with_the_hub_client(tmp_path):
     from huggingface_hub import ModelCard
 
-    monkeypatch.chdir(tmp_path)  # "Qwen/Qwen2.5-Math-1.5B" is no local directory here: a hub id
-    (tmp_path / "Qwen" / "Qwen2.5-Math-1.5B").mkdir(parents=True)
-    (tmp_path / "Qwen" / "Qwen2.5-Math-1.5B" / "config.json").write_text(
-        '{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}')
-    cfg = load_config(TrainConfig, REPO / "examples" / "tiny" / "grpo.yaml", [
-        "model.hf_dir=Qwen/Qwen2.5-Math-1.5B", "warm_start.make_model=none", "warm_start.sft_steps=0",
-        "data.name=gsm8k", "data.template=auto", "eval.data={name: gsm8k, split: test}", "reward.name=math",
-        "loss.policy_loss=clip", "loss.eps_high=0.28", "loss.kl_coef=0.001", "run.name=qwen-gsm8k"])
-    local = render_model_card(cfg, SUMMARY)
-    assert "base_model" not in local.split("---")[1]  # a local directory: no hub link in the metadata
-    assert "Based on Qwen2.5-Math-1.5B" in local
+    model = tmp_path / "Qwen2.5-Math-1.5B"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}')
+    overrides = [f"model.hf_dir={model}", "warm_start.make_model=none", "warm_start.sft_steps=0", "data.name=gsm8k",
+                 "data.template=auto", "eval.data={name: gsm8k, split: test}", "reward.name=math",
+                 "loss.policy_loss=clip", "loss.eps_high=0.28", "loss.kl_coef=0.001", "run.name=qwen-gsm8k"]
+    local = render_model_card(load_config(TrainConfig, CONFIG, overrides), SUMMARY)
+    assert "base_model" not in local.split("---")[1]  # no hub id given: no link in the metadata
+    assert "Based on Qwen2.5-Math-1.5B," in local  # the directory's name, not its local path
+    assert str(tmp_path) not in local
 
-    monkeypatch.chdir(REPO)  # the same id, not a directory here
+    cfg = load_config(TrainConfig, CONFIG, [*overrides, "checkpoint.base_model_id=Qwen/Qwen2.5-Math-1.5B"])
     hf = tmp_path / "hf"
     hf.mkdir()
     card = ModelCard.load(write_model_card(hf, cfg, SUMMARY))
@@ -48,8 +50,11 @@ def test_card_of_a_hub_base_model_parses_with_the_hub_client(tmp_path, monkeypat
 
 
 def test_card_without_held_out_data_says_so(tmp_path):
-    cfg = load_config(TrainConfig, REPO / "examples" / "tiny" / "grpo.yaml",
-                      [f"model.hf_dir={tmp_path}/init", "eval.data=null", "grpo.stop_after=50"])
+    cfg = load_config(TrainConfig, CONFIG, [f"model.hf_dir={tmp_path}/init", "eval.data=null", "grpo.stop_after=50"])
     text = render_model_card(cfg, {"steps": 50, "eval_before": {}, "eval_after": {}})
     assert "model-index" not in text and "No held-out evaluation was configured." in text
     assert "| steps | 50 of 200 |" in text and "A random qwen2 model made by megadiv" in text
+    for bad, message in [("checkpoint.base_model_id=/local/dir", "must be a hub id 'owner/name'"),
+                         ("checkpoint.export_hf=false", "needs checkpoint.export_hf=true")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TrainConfig, CONFIG, [f"model.hf_dir={tmp_path}/init", "checkpoint.base_model_id=a/b", bad])

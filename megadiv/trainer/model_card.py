@@ -8,7 +8,6 @@ exported model's own); the table in the body holds both.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import yaml
@@ -30,8 +29,8 @@ def write_model_card(hf_dir: Path, cfg: TrainConfig, summary: dict) -> Path:
 
 def render_model_card(cfg: TrainConfig, summary: dict) -> str:
     front = {"library_name": "transformers", "pipeline_tag": "text-generation"}
-    if _is_hub_id(cfg.model.hf_dir):
-        front["base_model"] = cfg.model.hf_dir
+    if cfg.checkpoint.base_model_id is not None:
+        front["base_model"] = cfg.checkpoint.base_model_id
     front["tags"] = list(dict.fromkeys(["megadiv", "reinforcement-learning", cfg.advantage.estimator,
                                         cfg.loss.policy_loss] + _divergence_tags(cfg)))
     after = summary.get("eval_after") or {}
@@ -101,8 +100,7 @@ def _base_text(cfg: TrainConfig) -> str:
     if cfg.warm_start.make_model != "none":
         return (f"A random {cfg.warm_start.make_model} model made by megadiv (warm_start.make_model), warm-started "
                 f"for {cfg.warm_start.sft_steps} supervised steps")
-    name = cfg.model.hf_dir if _is_hub_id(cfg.model.hf_dir) else Path(cfg.model.hf_dir).name
-    return f"Based on {name}"
+    return f"Based on {cfg.checkpoint.base_model_id or Path(cfg.model.hf_dir).name}"
 
 
 def _data_text(d: DataConfig) -> str:
@@ -114,8 +112,3 @@ def _data_text(d: DataConfig) -> str:
         return f"{Path(d.path).name} ({d.name}; {fields})"
     spec = DATASETS.get(d.name)
     return f"{d.name} {d.split}" + (f" ({spec.description})" if spec is not None and spec.description else "")
-
-
-def _is_hub_id(name: str | None) -> bool:
-    """``org/model`` that is not a local directory: a base model a hub can link to."""
-    return bool(name) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not Path(name).exists()
