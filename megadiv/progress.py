@@ -50,6 +50,8 @@ class Progress:
             self._bar.update(n)
             return
         now = time.monotonic()
+        if self.n == self.total:  # close() prints the last line
+            return
         if not self._printed or now - self._last_line >= self._interval_s:
             self._line(now)
 

@@ -35,8 +35,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 def test_a_log_gets_plain_lines_with_rate_and_eta():
     lines = _run(PHASE, MEGADIV_PROGRESS_INTERVAL_S="0", RANK="0").stdout.splitlines()
     assert [line.split(" | ")[0] for line in lines] == [
-        "phase: 1/4 step (25%)", "phase: 2/4 step (50%)", "phase: 3/4 step (75%)", "phase: 4/4 step (100%)",
-        "phase: 4/4 step (100%)"]
+        "phase: 1/4 step (25%)", "phase: 2/4 step (50%)", "phase: 3/4 step (75%)", "phase: 4/4 step (100%)"]
     assert all(" step/s | elapsed " in line for line in lines)
     assert all(" | eta " in line for line in lines[:3]) and lines[-1].endswith(" | done")
     assert "\r" not in "".join(lines)
@@ -45,7 +44,7 @@ def test_a_log_gets_plain_lines_with_rate_and_eta():
 def test_default_interval_prints_the_first_and_the_last_line():
     lines = _run(PHASE, RANK="0").stdout.splitlines()
     assert lines[0].startswith("phase: 1/4 step (25%) | ") and lines[-1].startswith("phase: 4/4 step (100%) | ")
-    assert lines[-1].endswith(" | done") and len(lines) in (2, 3, 4, 5)
+    assert lines[-1].endswith(" | done") and len(lines) in (2, 3, 4)
 
 
 def test_a_failed_phase_says_where_it_stopped():
