@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ MIN_PROMPTS_PER_CALL = 8
 
 @dataclass(frozen=True)
 class EvalSampling:
-    max_new_tokens: Optional[int]
+    max_new_tokens: int | None
     """Longest response of every split; None: each split's own (:attr:`EvalSet.max_new_tokens`)."""
     samples: int = 0
     """k of avg@k / pass@k (0: greedy pass@1 only)."""
@@ -56,7 +56,7 @@ class EvalSet:
     """Used when EvalSampling.max_new_tokens is None: the run's, else the dataset's default."""
 
     @classmethod
-    def build(cls, data_cfg: DataConfig, reward, tokenizer, max_new_tokens: Optional[int] = None) -> "EvalSet":
+    def build(cls, data_cfg: DataConfig, reward, tokenizer, max_new_tokens: int | None = None) -> EvalSet:
         """Load and render the split; a problem whose prompt renders to no token is a ValueError naming
         it (a character tokenizer drops the characters it lacks, so a raw template can leave nothing)."""
         dataset = load_dataset(data_cfg)
@@ -135,8 +135,8 @@ class EvalSuite:
 
     @classmethod
     def build(cls, data_cfgs: list[DataConfig], reward_cfgs: list[RewardConfig], tokenizer,
-              shared: dict | None = None, max_new_tokens: Sequence[Optional[int]] | None = None,
-              keep_going: bool = False) -> "EvalSuite":
+              shared: dict | None = None, max_new_tokens: Sequence[int | None] | None = None,
+              keep_going: bool = False) -> EvalSuite:
         """One set per (data, reward) config pair; sets with equal reward configs share one reward,
         and ``shared`` (RewardConfig -> reward, e.g. the training reward) is used, not closed.
         ``max_new_tokens``: per set (None: the dataset's default). ``keep_going``: a split that fails
@@ -149,7 +149,7 @@ class EvalSuite:
                     owned.append(rewards[reward_cfg])
                 sets.append(EvalSet.build(data_cfg, rewards[reward_cfg], tokenizer,
                                           max_new_tokens[i] if max_new_tokens else None))
-            except Exception as e:  # noqa: BLE001 (keep_going: any failure of one split is that split's)
+            except Exception as e:  # keep_going: any failure of one split is that split's
                 if not keep_going:
                     raise
                 sets.append(FailedSet(f"{data_cfg.name}:{data_cfg.split}", error_text(e)))
@@ -162,7 +162,7 @@ class EvalSuite:
         for s in self.sets:
             try:
                 out[s.name] = s.run(engine, sampling, self._decode)
-            except Exception as e:  # noqa: BLE001 (see above)
+            except Exception as e:  # as above
                 if not keep_going:
                     raise
                 out[s.name] = {"n": len(getattr(s, "dataset", ())), "error": error_text(e)}

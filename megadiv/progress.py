@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Self, TextIO
 
 DEFAULT_INTERVAL_S = 30.0
 
@@ -65,7 +65,7 @@ class Progress:
         elif self._enabled:
             self._line(time.monotonic(), "stopped" if failed else "done")
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -87,7 +87,7 @@ class Progress:
 
 
 def _clock(seconds: float) -> str:
-    minutes, s = divmod(int(round(seconds)), 60)
+    minutes, s = divmod(round(seconds), 60)
     h, m = divmod(minutes, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 

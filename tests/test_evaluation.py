@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from megadiv.cli import main
-from megadiv.config import load_config, to_dict
 from megadiv.cli.eval import add_arguments, format_lengths, format_table, plan
+from megadiv.config import load_config, to_dict
 from megadiv.evaluation import EvalSuite, response_tokens
 from megadiv.models.tiny import make_tiny_model
 from megadiv.trainer.config import TrainConfig
