@@ -66,7 +66,7 @@ class EvalSet:
         if empty:
             raise ValueError(f"{len(empty)} of {len(prompts)} problems render to an empty prompt with the "
                              f"{template.kind} template (first: {empty[0]}); the tokenizer has no token for "
-                             f"their text: use another --template")
+                             f"their text: choose another template (data.template, --template)")
         return cls(f"{data_cfg.name}:{data_cfg.split}", dataset, prompts, reward,
                    max_new_tokens or DATASETS[data_cfg.name].eval_max_new_tokens)
 
@@ -99,7 +99,8 @@ class EvalSet:
             chunk = records[start:start + per_call]
             groups = engine.generate(self.prompts[start:start + per_call], params)
             completions = [c for group in groups for c in group]
-            result = self.reward([decode(c.token_ids) for c in completions], [r for r in chunk for _ in range(params.n)])
+            result = self.reward([decode(c.token_ids) for c in completions],
+                                 [r for r in chunk for _ in range(params.n)])
             correct += [reason == "correct" for reason in result.reasons]
             lengths += [len(c.token_ids) for c in completions]  # the stop token included, as in training
             bar.update(len(completions))
@@ -165,7 +166,7 @@ class EvalSuite:
             except Exception as e:  # as above
                 if not keep_going:
                     raise
-                out[s.name] = {"n": len(getattr(s, "dataset", ())), "error": error_text(e)}
+                out[s.name] = {"n": len(s.dataset), "error": error_text(e)}
         return out
 
     def _decode(self, token_ids: list[int]) -> str:
