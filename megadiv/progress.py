@@ -1,6 +1,6 @@
-"""Progress of a long phase (warm start, evaluation, checkpoint save/load, GGUF import, ES and sweep
-candidates), in one style: a tqdm bar with rate and ETA on a terminal, and periodic plain lines when
-stdout is not one (CI logs, ``rank0.log``, a pipe). Only rank 0 prints::
+"""Progress of a long phase (weight loading, warm start, evaluation, checkpoint save/load, GGUF
+import, ES and sweep candidates), in one style: a tqdm bar with rate and ETA on a terminal, and
+periodic plain lines when stdout is not one (CI logs, ``rank0.log``, a pipe). Only rank 0 prints::
 
     with Progress("warm start", total=250, unit="step") as bar:
         for step in range(250):

@@ -96,6 +96,10 @@ def test_eval_refuses_what_is_not_a_model(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("run: {}\n")
     assert main(["eval", "--model", str(tmp_path), "--data", "gsm8k"]) == 2
     assert "has no hf/ export" in capsys.readouterr().err
+    (tmp_path / "config.yaml").unlink()
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["eval", "--model", str(tmp_path), "--data", "gsm8k", "--max-new-tokens", "0"]) == 2
+    assert "need --max-new-tokens >= 1 and --samples >= 0, got 0 and 0" in capsys.readouterr().err
 
 
 def test_a_broken_split_keeps_the_others_and_shows_progress(tmp_path, capsys):

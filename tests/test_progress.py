@@ -105,14 +105,16 @@ def test_unknown_total_and_bad_interval():
 
 @pytest.mark.slow
 def test_a_training_log_shows_the_progress_of_each_long_phase(tmp_path):
-    """One rank, TP=1: warm start, the evaluations, the checkpoint saves, then a resumed launch's
-    checkpoint load, each with its plain progress lines in the captured (non-terminal) output."""
+    """One rank, TP=1: the weight loads, warm start, the evaluations, the checkpoint saves, then a
+    resumed launch's checkpoint load, each with its plain progress lines in the captured
+    (non-terminal) output."""
     from tests.test_trainer import megadiv_train
 
     run = tmp_path / "run"
     common = ["parallel.tensor_parallel=1", "eval.every=1", "eval.samples=0", "checkpoint.every=1"]
     out = megadiv_train(run, "grpo.steps=1", *common, nproc=1)
-    for phase in ("warm start: 5/5 step (100%) | ", "evaluating arithmetic:test: 20/20 response (100%) | ",
+    for phase in (f"loading weights from {run}/init: ", "warm start: 5/5 step (100%) | ",
+                  f"loading weights from {run}/sft: ", "evaluating arithmetic:test: 20/20 response (100%) | ",
                   "saving checkpoint step 1: "):
         assert any(line.startswith(phase) and line.endswith(" | done") for line in out.splitlines()), phase
     out = megadiv_train(run, "grpo.steps=2", *common, nproc=1)

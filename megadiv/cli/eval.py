@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         rollout = _rollout_config(args, run_cfg)
         from megadiv.evaluation import EvalSampling
 
-        if args.max_new_tokens is not None and args.max_new_tokens < 1 or args.samples < 0:
+        if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.samples < 0:
             raise ValueError(f"need --max-new-tokens >= 1 and --samples >= 0, got {args.max_new_tokens} and "
                              f"{args.samples}")
         sampling = EvalSampling(args.max_new_tokens, args.samples, args.temperature, args.top_p)
