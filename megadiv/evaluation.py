@@ -86,7 +86,7 @@ class EvalSet:
         if k:
             correct, length = sampled[0]
             metrics[f"avg@{k}"] = float(correct.mean())
-            metrics[f"pass@{k}"] = float(correct.view(-1, k).any(-1).float().mean())
+            metrics[f"pass@{k}"] = float(correct.view(-1, k).any(-1).double().mean())
             lengths[f"samples@{k}"] = response_tokens(length, correct)
         return metrics | {"max_new_tokens": max_new, "response_tokens": lengths}
 
@@ -104,7 +104,8 @@ class EvalSet:
             correct += [reason == "correct" for reason in result.reasons]
             lengths += [len(c.token_ids) for c in completions]  # the stop token included, as in training
             bar.update(len(completions))
-        return torch.tensor(correct, dtype=torch.float32), torch.tensor(lengths)
+        # float64: pass@1 of 1/20 reads 0.05, not float32's 0.0500000007
+        return torch.tensor(correct, dtype=torch.float64), torch.tensor(lengths)
 
 
 def response_tokens(lengths: torch.Tensor, correct: torch.Tensor) -> dict[str, dict]:
