@@ -84,6 +84,9 @@ class DatasetSpec:
     description: str = ""
     any_split: bool = False
     """Accept any split name (user files, whose only split is the file itself)."""
+    eval_max_new_tokens: int = 1024
+    """``megadiv eval``'s default response length for this set: room for the answers its prompts ask for
+    (docs/data_and_rewards.md gives each set's reason); a thinking model needs more (--max-new-tokens)."""
 
 
 DATASETS: dict[str, DatasetSpec] = {}
@@ -202,20 +205,26 @@ def _mbpp_sanitized(cfg: DataConfig) -> list[Record]:
 
 
 def _register_builtins() -> None:
+    # eval_max_new_tokens: the power of two that holds (nearly) every reference solution of the set, in
+    # SmolLM2's 49k BPE tokens (docs/data_and_rewards.md, "Evaluation lengths", has the measurements)
     builtins = {
         "gsm8k": DatasetSpec(_gsm8k, {"train": 7473, "test": 1319}, "hash", "math",
-                             "Grade-school maths word problems (Cobbe et al. 2021)"),
+                             "Grade-school maths word problems (Cobbe et al. 2021)", eval_max_new_tokens=512),
         "math500": DatasetSpec(_math500, {"test": 500}, "boxed", "math",
-                               "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)"),
-        "aime24": DatasetSpec(_aime("24"), {"test": 30}, "boxed", "math", "AIME 2024 I and II"),
-        "aime25": DatasetSpec(_aime("25"), {"test": 30}, "boxed", "math", "AIME 2025 I and II"),
+                               "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)",
+                               eval_max_new_tokens=2048),
+        "aime24": DatasetSpec(_aime("24"), {"test": 30}, "boxed", "math", "AIME 2024 I and II",
+                              eval_max_new_tokens=4096),
+        "aime25": DatasetSpec(_aime("25"), {"test": 30}, "boxed", "math", "AIME 2025 I and II",
+                              eval_max_new_tokens=4096),
         "mbpp": DatasetSpec(_mbpp, {"prompt": 10, "test": 500, "validation": 90, "train": 374, "all": 974,
                                     "gbmpo_train": 299, "gbmpo_validation": 75},
                             "code", "code", "Mostly Basic Python Problems (Austin et al. 2021); gbmpo_train / "
-                                            "gbmpo_validation: the GBMPO authors' 299 / 75 split of train"),
+                                            "gbmpo_validation: the GBMPO authors' 299 / 75 split of train",
+                            eval_max_new_tokens=512),
         "mbpp_sanitized": DatasetSpec(_mbpp_sanitized,
                                       {"prompt": 7, "test": 257, "validation": 43, "train": 120, "all": 427},
-                                      "code", "code", "Hand-verified MBPP subset"),
+                                      "code", "code", "Hand-verified MBPP subset", eval_max_new_tokens=512),
     }
     for name, spec in builtins.items():
         register_dataset(name, spec)
