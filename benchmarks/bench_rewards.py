@@ -16,8 +16,10 @@ programs/s per round, the ratio this tree / REV per round and the median ratio.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +61,7 @@ def bench_code(workers: int, n: int, isolation: str) -> tuple[float, str]:
 def load_baseline(rev: str):
     """``run_sandboxed`` and ``SandboxLimits`` of git revision ``rev``, as ``megadiv_baseline.rewards.sandbox``."""
     root = Path(tempfile.mkdtemp(prefix="megadiv-baseline-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "megadiv/rewards"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split()
     for name in names:
