@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
@@ -28,6 +30,7 @@ import threading
 import time
 import traceback
 import _thread
+from contextlib import contextmanager
 from pathlib import Path
 
 from megadiv.config import ConfigError
@@ -82,7 +85,10 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, unless_held_by_an_ancestor: bool = False) -> None:
+        """Take the lock or raise RunLocked. With ``unless_held_by_an_ancestor``, a lock held by a
+        process this one descends from (the ``megadiv train --nproc`` launcher, which takes it
+        before any rank starts) counts as ours: return without holding anything."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -90,6 +96,8 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            if unless_held_by_an_ancestor and _is_ancestor(holder):
+                return
             raise RunLocked(f"run directory {self.path.parent} is in use by {holder} (lock {self.path}); wait "
                             f"for that run to end or choose another run.name") from None
         os.ftruncate(fd, 0)
@@ -106,6 +114,60 @@ class RunLock:
         if self.path.parent.is_dir():
             self.acquire()
             self.release()
+
+
+class DiskError(RuntimeError):
+    """A write that failed (disk full, quota, I/O error, read-only file system): the message names
+    the path and the space left on its file system."""
+
+
+@contextmanager
+def writing(path: Path, what: str, errors: tuple[type[BaseException], ...] = (OSError,)):
+    """Turn ``errors`` raised inside into a DiskError naming ``what`` at ``path``, the reason and
+    the free space."""
+    try:
+        yield
+    except errors as e:
+        raise DiskError(f"cannot write {what} {path}: {_reason(e)}; {free_space(Path(path))}") from e
+
+
+def _reason(error: BaseException) -> str:
+    """An OSError's strerror; else the first '[Errno N] ...' in the text (megatron's and torch's
+    checkpoint errors wrap the writers' OSErrors), else its first line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error)
+    wrapped = re.search(r"\[Errno \d+\] [^\n]*", text)
+    return wrapped.group(0) if wrapped else (text.strip().splitlines() or [type(error).__name__])[0]
+
+
+def free_space(path: Path) -> str:
+    """'12.3 MB free of 20.0 MB on the file system of DIR', DIR the nearest existing ancestor of ``path``."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError as e:
+        return f"free space of {probe} unknown ({e.strerror or e})"
+    return f"{_bytes(usage.free)} free of {_bytes(usage.total)} on the file system of {probe}"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def _is_ancestor(holder: str) -> bool:
+    """Whether a lock file's 'pid N on HOST' names a process this one descends from."""
+    import psutil
+
+    words = holder.split()
+    if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname():
+        return False
+    return int(words[1]) in {p.pid for p in psutil.Process().parents()}
 
 
 class NonFiniteError(RuntimeError):
@@ -138,7 +200,7 @@ class RunGuard:
 
     def __enter__(self) -> RunGuard:
         if self.rank == 0:
-            self.lock.acquire()
+            self.lock.acquire(unless_held_by_an_ancestor=True)
         os.register_at_fork(after_in_child=_forked_child)
         self._install_signal_handlers()
         return self
@@ -168,7 +230,7 @@ class RunGuard:
         except OSError as e:  # a full or read-only disk must not hide the original error
             where = f"traceback not written ({e})"
         frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-        at = f" (raised at {frame.filename}:{frame.lineno})" if frame else ""
+        at = f" (raised at {frame.filename}:{frame.lineno})" if frame and not isinstance(error, DiskError) else ""
         message = " ".join(str(error).split()) or type(error).__name__
         return f"megadiv train: rank {self.rank} failed at step {self.step}: {type(error).__name__}: {message}{at}; {where}"
 

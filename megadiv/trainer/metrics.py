@@ -9,6 +9,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from megadiv.trainer.lifecycle import writing
+
 # The progress line: (metric key, label, format). Missing keys are left out of the line.
 PROGRESS_FIELDS = [
     ("eval/accuracy", "eval_acc", "{:.3f}"),
@@ -67,12 +69,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
+        with writing(self.run_dir / "metrics.jsonl", "metrics"), open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(key, value, step)
-        self._writer.flush()
+        with writing(self.run_dir / "tensorboard", "TensorBoard events"):
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
         print(self.progress_line(step, metrics, prefix), flush=True)
 
     def progress_line(self, step: int, metrics: dict[str, float], prefix: str = "step") -> str:
