@@ -196,10 +196,10 @@ def test_cli_help_lists_the_verbs():
 
 def test_config_reference_is_current():
     """docs/config_reference.md is generated from the dataclasses; regenerate it with
-    `python -m megadiv.trainer.config_docs > docs/config_reference.md` after changing a key."""
+    `python -m megadiv.cli.config_docs > docs/config_reference.md` after changing a key."""
     from pathlib import Path
 
-    from megadiv.trainer.config_docs import render
+    from megadiv.cli.config_docs import render
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "config_reference.md").read_text()
     assert committed == render(), "docs/config_reference.md is stale"

@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.config_docs import attribute_docs
+from megadiv.cli.config_docs import attribute_docs
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megadiv"
 

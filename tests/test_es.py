@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megadiv.trainer.es import ESSettings, ESState, antithetic, es_gradient, next_state
+from megadiv.experiments.es import ESSettings, ESState, antithetic, es_gradient, next_state
 
 REPO = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -144,7 +144,7 @@ def test_gbmpo_mirror_recipes_validate(tmp_path):
 def test_slurm_array_script_runs_each_candidate(tmp_path, monkeypatch):
     """--launcher slurm: one array over the untrained candidates, submitted with sbatch --wait and the
     user's options; each task index runs exactly its candidate's command (sbatch stubbed on PATH)."""
-    from megadiv.trainer.es import submit_slurm_array
+    from megadiv.experiments.es import submit_slurm_array
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megadiv.config import ConfigError
-from megadiv.trainer.micro_batches import ModelInput, row_lengths, token_budget_groups
-from megadiv.trainer.policy import SequenceBatch
+from megadiv.policy.batches import ModelInput, row_lengths, token_budget_groups
+from megadiv.policy.batches import SequenceBatch
 from tests.dist.token_budget import AGGREGATIONS, BUDGET, PROMPT_LENGTHS, RESPONSE_LENGTHS, skewed_batch
 from tests.torchrun import run_torchrun
 

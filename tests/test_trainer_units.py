@@ -7,7 +7,7 @@ import torch
 from megadiv.divergence import AdvantageConfig
 from megadiv.rollout import Completion
 from megadiv.trainer.experience import (build_experience, informative_groups, overlong_shaping, take_groups)
-from megadiv.trainer.policy import SequenceBatch
+from megadiv.policy.batches import SequenceBatch
 from tests.torchrun import run_torchrun
 
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from megadiv.config import ConfigError, ModelConfig, ParallelConfig
 from megadiv.models.families import FAMILIES, Family
-from megadiv.models.hf_config import ArchSpec, arch_from_hf_config, load_hf_config
+from megadiv.models.families import arch_from_hf_config
+from megadiv.models.hf_config import ArchSpec, load_hf_config
 from megadiv.models.sharding import VOCAB_MULTIPLE, padded_vocab_size, stage_layer_counts
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.parallel import ParallelInfo
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.lifecycle import NonFiniteError
-from megadiv.trainer.objectives import sft_objective
+from megadiv.policy.objectives import sft_objective
 from megadiv.trainer.backend import make_policy
-from megadiv.trainer.policy import SequenceBatch
+from megadiv.policy.batches import SequenceBatch
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ the launcher itself be killed, torchrun gets SIGTERM (parent-death signal) and s
 torchrun's own failure report (its logging and its ChildFailedError traceback) goes to
 ``run_dir/logs/torchrun.log``. The console gets one line naming the first rank to die and how
 (its own one-line error, or the signal that killed it and whether memory ran out:
-megadiv.trainer.rank_deaths), then the other ranks' errors, which follow from it. A log that
+megadiv.cli.rank_deaths), then the other ranks' errors, which follow from it. A log that
 cannot be written (a full disk) is noted in that line; the launcher goes on without it.
 
 ``max_restarts`` (``megadiv train --max-restarts N``) is torchrun's: after a failure the ranks are
@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from megadiv.trainer.lifecycle import EXIT_GRACE_S, STOP_SIGNALS, adopt_orphans, die_with_parent, free_space
-from megadiv.trainer.rank_deaths import MONITOR_INTERVAL_S, RankWatcher
+from megadiv.cli.rank_deaths import MONITOR_INTERVAL_S, RankWatcher
 
 # torchrun's log lines: "E1201 02:50:00.123000 4242 torch/distributed/elastic/...py:869] text"
 TORCHRUN_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S+:\d+\] ")

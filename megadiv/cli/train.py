@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megadiv.trainer.lifecycle import RankFailure, RunInterrupted, RunLock
-    from megadiv.trainer.preflight import preflight
+    from megadiv.cli.preflight import preflight
 
     under_torchrun = "LOCAL_RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
     if launching:
-        from megadiv.trainer.launch import launch
+        from megadiv.cli.launch import launch
 
         try:
             return launch(args.nproc or 1, args.args, run_dir, args.max_restarts)
