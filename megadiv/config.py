@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -371,11 +372,13 @@ def _coerce(tp, value: Any, dotted: str, root: type):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-6 (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{dotted}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):  # .nan / .inf pass every comparison check or none
+        raise ConfigError(f"{dotted}: {value!r} is not a finite number")
     return value
 
 

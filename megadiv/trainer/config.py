@@ -201,6 +201,10 @@ class TrainConfig:
                                   f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
                                   f"model.backend=deepspeed (docs/deepspeed.md)")
             check_model_parallel(self.parallel, self.model)
+        if self.rollout.temperature == 0:
+            raise ConfigError("rollout.temperature=0 samples greedily: the n_samples responses to a prompt are all "
+                              "the same, so every group's rewards are equal, every advantage is 0 and GRPO cannot "
+                              "learn; use a temperature > 0 (1.0 samples the policy itself)")
         if self.advantage.group_size != self.rollout.n_samples:
             raise ConfigError(f"advantage.group_size ({self.advantage.group_size}) must equal rollout.n_samples "
                               f"({self.rollout.n_samples}): both are the GRPO group size")
@@ -257,6 +261,8 @@ class TrainConfig:
     def check_world_size(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks; raises ConfigError unless the world
         splits into TP x PP x DP and every batch splits exactly over the DP replicas."""
+        if world_size < 1:
+            raise ConfigError(f"the world size must be >= 1 rank, got {world_size}")
         data_parallel = self.parallel.data_parallel_size(world_size)
         self._check_batch_split(data_parallel, world_size)
         return data_parallel
