@@ -108,10 +108,10 @@ def worker(args: argparse.Namespace) -> None:
     from megadiv import parallel
     from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
     from megadiv.divergence import PolicyLossConfig
-    from megadiv.policy.deepspeed_config import DeepSpeedConfig
-    from megadiv.policy.objectives import grpo_objective
     from megadiv.policy.batches import SequenceBatch
     from megadiv.policy.deepspeed import DeepSpeedPolicy
+    from megadiv.policy.deepspeed_config import DeepSpeedConfig
+    from megadiv.policy.objectives import grpo_objective
 
     rank = parallel.initialize(ParallelConfig(timeout_s=300)).rank  # gloo, as the trainer's ranks
     loss_fn = grpo_objective(PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.0231,

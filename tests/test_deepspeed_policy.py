@@ -51,7 +51,7 @@ def _assert_same(run, ref, what, optimizer):
             assert s[key] == pytest.approx(s_ref[key], **METRIC_TOL), (what, i, key, s[key], s_ref[key])
     assert run["weights"].keys() == ref["weights"].keys(), what
     for k, w in run["weights"].items():
-        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
 @pytest.mark.slow

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from megadiv.divergence.full_vocab import FullKL, FullMirrorBregman, FullProbL2
-from megadiv.divergence.mirror_map import (GROUPS, LOG_EPS, NEURONS_PER_GROUP, NUM_PARAMETERS,
-                                           NeuralMirrorMap, _act, _mean_act)
+from megadiv.divergence.mirror_map import (
+    GROUPS,
+    LOG_EPS,
+    NEURONS_PER_GROUP,
+    NUM_PARAMETERS,
+    NeuralMirrorMap,
+    _act,
+    _mean_act,
+)
 
 F64 = torch.float64
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from megadiv.config import ConfigError, ModelConfig
-from megadiv.models.families import FAMILIES, plan
-from megadiv.models.families import arch_from_hf_config
+from megadiv.models.families import FAMILIES, arch_from_hf_config, plan
 from megadiv.models.hf_config import ArchSpec
 from megadiv.models.sharding import Layout, padded_vocab_size, shard, stage_layer_counts, unshard
 

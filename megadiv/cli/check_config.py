@@ -13,10 +13,10 @@ import sys
 
 import yaml
 
+from megadiv.cli.preflight import preflight
+from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError, to_dict
 from megadiv.models.fp8 import check_fp8_here
-from megadiv.cli.train import add_config_arguments, load_train_config
-from megadiv.cli.preflight import preflight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

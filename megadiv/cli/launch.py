@@ -32,8 +32,8 @@ from pathlib import Path
 
 import psutil
 
-from megadiv.trainer.lifecycle import EXIT_GRACE_S, STOP_SIGNALS, adopt_orphans, die_with_parent, free_space
 from megadiv.cli.rank_deaths import MONITOR_INTERVAL_S, RankWatcher
+from megadiv.trainer.lifecycle import EXIT_GRACE_S, STOP_SIGNALS, adopt_orphans, die_with_parent, free_space
 
 # torchrun's log lines: "E1201 02:50:00.123000 4242 torch/distributed/elastic/...py:869] text"
 TORCHRUN_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S+:\d+\] ")

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megadiv.trainer.lifecycle import RankFailure, RunInterrupted, RunLock
     from megadiv.cli.preflight import preflight
+    from megadiv.trainer.lifecycle import RankFailure, RunInterrupted, RunLock
 
     under_torchrun = "LOCAL_RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))

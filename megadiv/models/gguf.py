@@ -207,8 +207,7 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
     tokenizer and chat template), verified against transformers' GGUF load (module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megadiv.models.families import FAMILIES
-    from megadiv.models.families import arch_from_hf_config
+    from megadiv.models.families import FAMILIES, arch_from_hf_config
 
     start = time.perf_counter()
     gguf, out = Path(gguf), Path(out)

@@ -34,8 +34,8 @@ from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.checkpoint import CheckpointError
 from megadiv.models.hf_config import load_hf_config
-from megadiv.policy.deepspeed_config import DeepSpeedConfig, engine_config
 from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.deepspeed_config import DeepSpeedConfig, engine_config
 from megadiv.policy.megatron import HF_SHARD_BYTES, lr_scheduler, reduce_metrics, tempered, weighted_metrics
 
 if TYPE_CHECKING:

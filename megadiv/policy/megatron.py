@@ -82,8 +82,11 @@ class Policy:
             self._init_training(optim_cfg or OptimConfig(), total_steps)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = self.model.config

@@ -15,8 +15,15 @@
 See docs/rollout.md.
 """
 from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.engine import (Bucket, Completion, RolloutEngine, RolloutError, SamplingParams, SyncReport,
-                                    WeightSyncError)
+from megadiv.rollout.engine import (
+    Bucket,
+    Completion,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    SyncReport,
+    WeightSyncError,
+)
 from megadiv.rollout.factory import make_engine, resolve_engine_name
 from megadiv.rollout.mismatch import MismatchReport, ProbeBatch, check_mismatch
 

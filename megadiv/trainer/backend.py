@@ -13,8 +13,8 @@ deepspeed and grpo sections), and megadiv.policy must not import megadiv.trainer
 from __future__ import annotations
 
 from megadiv.config import ModelConfig, OptimConfig
-from megadiv.trainer.config import TrainConfig
 from megadiv.policy.megatron import Policy
+from megadiv.trainer.config import TrainConfig
 
 
 def make_policy(cfg: TrainConfig, model: ModelConfig, role: str = "actor", optim: OptimConfig | None = None,

@@ -26,12 +26,18 @@ from typing import Literal
 
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, check_model_parallel
 from megadiv.data import DataConfig
-from megadiv.divergence import (DIVERGENCES, AdvantageConfig, PolicyLossConfig, TokenDivergence, VocabDivergence,
-                                names_of_kind)
+from megadiv.divergence import (
+    DIVERGENCES,
+    AdvantageConfig,
+    PolicyLossConfig,
+    TokenDivergence,
+    VocabDivergence,
+    names_of_kind,
+)
 from megadiv.models.families import FAMILIES as MEGATRON_FAMILIES
+from megadiv.policy.deepspeed_config import DeepSpeedConfig, check_raw_keys
 from megadiv.rewards import RewardConfig
 from megadiv.rollout import RolloutConfig
-from megadiv.policy.deepspeed_config import DeepSpeedConfig, check_raw_keys
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from megadiv.divergence import AdvantageConfig, compute_advantages
+from megadiv.policy.batches import SequenceBatch
 from megadiv.rewards import REASONS
 from megadiv.rollout import Completion
-from megadiv.policy.batches import SequenceBatch
 
 
 @dataclass

@@ -20,6 +20,9 @@ import yaml
 from megadiv import parallel
 from megadiv.config import ModelConfig, to_dict
 from megadiv.divergence import compute_advantages, kl_reward_penalty
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.megatron import Policy
+from megadiv.policy.objectives import grpo_objective
 from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.backend import make_policy
@@ -28,9 +31,6 @@ from megadiv.trainer.driver import RolloutDriver, drain
 from megadiv.trainer.experience import Experience
 from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
-from megadiv.policy.objectives import grpo_objective
-from megadiv.policy.batches import SequenceBatch
-from megadiv.policy.megatron import Policy
 from megadiv.trainer.warm_start import starting_checkpoint
 
 

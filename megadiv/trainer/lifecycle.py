@@ -18,6 +18,7 @@ the rank.
 """
 from __future__ import annotations
 
+import _thread
 import ctypes
 import fcntl
 import os
@@ -29,7 +30,6 @@ import sys
 import threading
 import time
 import traceback
-import _thread
 from contextlib import contextmanager
 from pathlib import Path
 
