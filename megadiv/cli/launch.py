@@ -33,7 +33,14 @@ from pathlib import Path
 import psutil
 
 from megadiv.cli.rank_deaths import MONITOR_INTERVAL_S, RankWatcher
-from megadiv.trainer.lifecycle import EXIT_GRACE_S, STOP_SIGNALS, adopt_orphans, die_with_parent, free_space
+from megadiv.trainer.lifecycle import (
+    EXIT_GRACE_S,
+    STOP_SIGNALS,
+    RestartRefused,
+    adopt_orphans,
+    die_with_parent,
+    free_space,
+)
 
 # torchrun's log lines: "E1201 02:50:00.123000 4242 torch/distributed/elastic/...py:869] text"
 TORCHRUN_LINE = re.compile(r"^\[?[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S+:\d+\] ")
@@ -68,7 +75,7 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     reader = threading.Thread(target=report.run, daemon=True)
     reader.start()
-    restarts = 0
+    restarts, received_refusal = 0, False
     try:
         deadline = None
         while proc.poll() is None:
@@ -79,6 +86,10 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
                       f"ranks resume from the newest intact checkpoint", file=sys.stderr, flush=True)
                 watcher.new_attempt()
                 report.new_attempt()
+            if report.refused_restart and not received:  # a rank found the failed attempt saved nothing
+                received_refusal = True
+                _signal_tree(proc.pid, signal.SIGTERM, only_root=True)  # torchrun would only start it again
+                report.refused_restart = False
             if received and deadline is None:
                 deadline = time.monotonic() + EXIT_GRACE_S + 5  # the ranks' own watchdog, plus torchrun's exit
             if deadline is not None and time.monotonic() > deadline:
@@ -93,14 +104,14 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
         print(f"megadiv train: stopped by {name}; the same command resumes from the newest complete checkpoint "
               f"in {run_dir / 'checkpoints'}", file=sys.stderr, flush=True)
         return 128 + received[0]
-    if proc.returncode:
+    if proc.returncode or received_refusal:
         watcher.poll()
         where = f"{log_path}" + (f" (incomplete: {report.log_error})" if report.log_error else "")
         lines = [f"megadiv train: {_cause(watcher, report)}; torchrun's report: {where}"]
         lines += [f"  then {line.removeprefix('megadiv train: ')}" for line in report.rank_errors
                   if line != report.primary_error(watcher)]
         print("\n".join(lines), file=sys.stderr, flush=True)
-    return proc.returncode
+    return 1 if received_refusal else proc.returncode
 
 
 def _cause(watcher: RankWatcher, report: _StderrFilter) -> str:
@@ -132,6 +143,7 @@ class _StderrFilter:
         self.worker_failure: tuple[int, int] | None = None
         self.rank_errors: list[str] = []
         self.log_error: str | None = None
+        self.refused_restart = False
 
     def new_attempt(self) -> None:
         self.quiet, self.worker_failure, self.rank_errors = False, None, []
@@ -153,6 +165,7 @@ class _StderrFilter:
                 self.worker_failure = (int(failed.group(1)), int(failed.group(2)))
             if line.startswith("megadiv train: rank") and " failed at step " in line:
                 self.rank_errors.append(line.rstrip("\n"))
+                self.refused_restart |= f" {RestartRefused.__name__}: " in line
             if TORCHRUN_LINE.match(line) and "closing signal" in line:
                 self.quiet = True  # torchrun tears the job down; what follows are its consequences
             if not (TORCHRUN_LINE.match(line) or line.startswith(RANK_STOPPED) or self.worker_failure

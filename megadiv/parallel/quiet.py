@@ -10,6 +10,7 @@ Transformer Engine is worth hearing about. docs/cpu.md lists them.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 
 # (message regex (matched at the start), category, module regex of the warning's origin, why harmless)
@@ -38,6 +39,8 @@ def quiet_known_warnings() -> None:
     before megatron-core is imported)."""
     import torch
 
+    # megatron's checkpoint writer logs a writer's error, then raises it; megadiv reports it once
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
     if torch.cuda.is_available():
         return
     for message, category, module, _ in KNOWN_HARMLESS:

@@ -42,7 +42,7 @@ from megadiv.divergence.losses import PolicyLossConfig
 from megadiv.divergence.mirror_map import fingerprint, load_vector, save_vector
 from megadiv.models.checkpoint import CheckpointError, sharded_state_dict, write_metadata
 from megadiv.policy.megatron import Policy
-from megadiv.trainer.lifecycle import start_helper, writing
+from megadiv.trainer.lifecycle import RestartRefused, start_helper, writing
 
 # Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
 # optimizer's), gathered over DP on save and sliced on load: it reloads at another TP or DP size
@@ -192,10 +192,6 @@ def find_resume_point(run_dir: Path, parallel: ParallelConfig) -> Path | None:
 
 
 ATTEMPT = "attempt.json"  # in run_dir/logs: where the current attempt of the job started
-
-
-class RestartRefused(RuntimeError):
-    """A restarted job whose failed attempt wrote no checkpoint: it would fail the same way again."""
 
 
 def note_attempt(run_dir: Path, start: Path | None, restart: int) -> None:

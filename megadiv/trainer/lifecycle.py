@@ -170,6 +170,10 @@ def _is_ancestor(holder: str) -> bool:
     return int(words[1]) in {p.pid for p in psutil.Process().parents()}
 
 
+class RestartRefused(RuntimeError):
+    """A restarted job whose failed attempt wrote no checkpoint: it would fail the same way again."""
+
+
 class NonFiniteError(RuntimeError):
     """A non-finite loss, gradient or weight that the run cannot go on with."""
 
