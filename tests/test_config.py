@@ -3,6 +3,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -258,3 +259,35 @@ def test_make_tiny_model_refuses_an_existing_directory_unless_forced(capsys, tmp
     rc, _ = _in_process(capsys, "make-tiny-model", "--family", "qwen2", "--out", str(out), "--force")
     assert rc == 0 and (out / "config.json").is_file() and not (out / "keep.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no partial directory left beside it
+
+
+def test_a_recipe_is_checked_before_its_weights_are_on_disk(capsys, tmp_path):
+    """model.hf_dir=/checkpoints/Qwen3-8B is absent: check-config and plan take the architecture from
+    examples/hf_configs/Qwen3-8B (or --hf-config) and say so; the printed config keeps the real path."""
+    from megadiv.cli.stand_in import HF_CONFIGS
+
+    recipe = [f"examples/gsm8k/{f}" for f in ("task.yaml", "models/qwen3-8b.yaml", "algorithms/grpo.yaml")]
+    recipe = [str(Path(__file__).resolve().parents[1] / f) for f in recipe] + [f"run.output_dir={tmp_path}"]
+    rc, err = _in_process(capsys, "check-config", *recipe, "--world-size", "8")
+    public = HF_CONFIGS / "Qwen3-8B" / "config.json"
+    assert rc == 0 and err == [f"megadiv: model.hf_dir=/checkpoints/Qwen3-8B holds no config.json yet; checking the "
+                               f"architecture of {public} (the public config of Qwen3-8B) in its place; the weights "
+                               f"are not checked"], err
+    mine = tmp_path / "config.json"
+    mine.write_text(public.read_text())
+    rc, err = _in_process(capsys, "check-config", *recipe, "--hf-config", str(mine), "--world-size", "8")
+    assert rc == 0 and err == [f"megadiv: checking the architecture of {mine} (--hf-config) in place of "
+                               f"model.hf_dir=/checkpoints/Qwen3-8B; its weights are not checked"], err
+    rc, err = _in_process(capsys, "check-config", *recipe, "parallel.tensor_parallel=3", "--world-size", "24")
+    assert rc == 2 and "does not divide the 32 attention heads" in err[-1]  # the architecture is really checked
+    rc, err = _in_process(capsys, "plan", *recipe, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gib", "80")
+    assert rc == 0 and "examples/hf_configs/Qwen3-8B/config.json" in err[0]
+    # without a public config of that name: the error says how to check before downloading
+    rc, err = _in_process(capsys, "check-config", *recipe, "model.hf_dir=/checkpoints/MyModel")
+    assert rc == 2 and len(err) == 1 and "--hf-config FILE" in err[0] and "make_model" not in err[0], err
+
+
+def test_a_created_model_follows_the_run_directory(tmp_path):
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "examples" / "tiny" / "grpo.yaml",
+                      [f"run.output_dir={tmp_path}", "run.name=elsewhere"])
+    assert cfg.model.hf_dir == str(tmp_path / "elsewhere" / "init")

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from megadiv.config import ConfigError, load_config, split_config_args
+from megadiv.parallel.quiet import ALL_WARNINGS, FILTERED_NOTE
 from megadiv.trainer.config import TrainConfig
 
 
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             lock.release()
     from megadiv.trainer.grpo import train
 
+    if rank == 0 and os.environ.get(ALL_WARNINGS) != "1":
+        print(FILTERED_NOTE, file=sys.stderr, flush=True)
     try:
         train(cfg)
     except ConfigError as e:  # the run directory is locked by another run

@@ -19,6 +19,7 @@ Every key is documented in docs/training.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,12 +195,18 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
+        if self.model.hf_dir is None and self.warm_start.make_model != "none":
+            # a created model lives in its run directory, wherever run.output_dir puts it (a derived
+            # default, set once at construction)
+            created = str(Path(self.run.output_dir) / self.run.name / "init")
+            object.__setattr__(self, "model", dataclasses.replace(self.model, hf_dir=created))
         if self.model.hf_dir is None:
-            raise ConfigError("model.hf_dir is required: a Hugging Face checkpoint directory (or where "
-                              "warm_start.make_model creates one)")
+            raise ConfigError("model.hf_dir is required: a Hugging Face checkpoint directory (or set "
+                              "warm_start.make_model to create a tiny model in RUN_DIR/init)")
         if self.warm_start.make_model == "none" and not self.model.has_checkpoint():
-            raise ConfigError(f"model.hf_dir={self.model.hf_dir} holds no config.json (set warm_start.make_model "
-                              f"to create a tiny model there)")
+            raise ConfigError(f"model.hf_dir={self.model.hf_dir} holds no config.json: download the checkpoint "
+                              f"there (check-config and plan can check a recipe before that: --hf-config FILE, "
+                              f"or examples/hf_configs/<name>/config.json for a model directory named <name>)")
         self._check_backend()
         if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
             if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
