@@ -8,6 +8,8 @@
   anything is written.
 - ``--max-restarts 1`` and a rank killed once: the job restarts, resumes and ends with the weights
   of an uninterrupted run; a rank killed before the first checkpoint is not retried.
+- A rank killed by the kernel's OOM killer (moved into a memory cgroup of 4 MiB, where one can be
+  made): named as that rank, SIGKILL, likely out of memory.
 SIGKILL of one rank of a TP=2 run, named as that rank and signal: tests/test_faults.py.
 """
 from __future__ import annotations
@@ -184,3 +186,42 @@ def test_a_failure_before_the_first_checkpoint_is_not_retried(tmp_path):
                                "failed attempt wrote no checkpoint after step 0"), lines[1]
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").glob("step_*[0-9]"))
     assert os.path.isfile(run_dir / "logs" / "torchrun.log")
+
+
+@pytest.fixture
+def small_memory_cgroup():
+    """A child of this process's cgroup-v1 memory cgroup limited to 4 MiB (root only)."""
+    line = next((x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x), None)
+    if line is None:
+        pytest.skip("no cgroup-v1 memory controller here")
+    cgroup = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/") / f"megadiv-test-oom-{os.getpid()}"
+    try:
+        cgroup.mkdir()
+        (cgroup / "memory.limit_in_bytes").write_text(str(4 << 20))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here ({e.strerror})")
+    yield cgroup
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:
+            time.sleep(0.5)
+
+
+def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(small_memory_cgroup, tmp_path):
+    """Rank 1 is moved into a 4 MiB memory cgroup mid-run: its next allocations exceed the limit
+    and the kernel's OOM killer sends it SIGKILL, counted in that cgroup's oom_kill."""
+    run_dir = tmp_path / "oom"
+    log = tmp_path / "train.log"
+    proc = start(train_command(run_dir, "grpo.steps=50", nproc=2), log)
+    wait_for(run_dir / "checkpoints" / "step_000001" / "manifest.json", proc, log)
+    (rank1,) = [p for p in rank_processes(proc) if p.environ().get("LOCAL_RANK") == "1"]
+    (small_memory_cgroup / "cgroup.procs").write_text(str(rank1.pid))
+    rc, out = finish(proc, log)
+    (line,) = megadiv_lines(out)
+    # the evidence: the cgroup's count (when the launcher polled the rank after the move) or the kernel log
+    assert rc == 1 and line.startswith("megadiv train: rank 1 was killed by SIGKILL (likely out of memory: "), line
+    assert (f"oom_kill in {small_memory_cgroup}/memory.oom_control went 0 -> 1" in line
+            or f"the kernel log says the OOM killer killed PID {rank1.pid}" in line), line

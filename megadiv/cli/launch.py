@@ -75,7 +75,7 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
     previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     reader = threading.Thread(target=report.run, daemon=True)
     reader.start()
-    restarts, received_refusal = 0, False
+    restarts, refused = 0, False
     try:
         deadline = None
         while proc.poll() is None:
@@ -87,7 +87,7 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
                 watcher.new_attempt()
                 report.new_attempt()
             if report.refused_restart and not received:  # a rank found the failed attempt saved nothing
-                received_refusal = True
+                refused = True
                 _signal_tree(proc.pid, signal.SIGTERM, only_root=True)  # torchrun would only start it again
                 report.refused_restart = False
             if received and deadline is None:
@@ -104,14 +104,14 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
         print(f"megadiv train: stopped by {name}; the same command resumes from the newest complete checkpoint "
               f"in {run_dir / 'checkpoints'}", file=sys.stderr, flush=True)
         return 128 + received[0]
-    if proc.returncode or received_refusal:
+    if proc.returncode or refused:
         watcher.poll()
         where = f"{log_path}" + (f" (incomplete: {report.log_error})" if report.log_error else "")
         lines = [f"megadiv train: {_cause(watcher, report)}; torchrun's report: {where}"]
         lines += [f"  then {line.removeprefix('megadiv train: ')}" for line in report.rank_errors
                   if line != report.primary_error(watcher)]
         print("\n".join(lines), file=sys.stderr, flush=True)
-    return 1 if received_refusal else proc.returncode
+    return 1 if refused else proc.returncode
 
 
 def _cause(watcher: RankWatcher, report: _StderrFilter) -> str:

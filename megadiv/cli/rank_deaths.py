@@ -7,10 +7,11 @@ it (torchrun polls once a second, ``MONITOR_INTERVAL_S``), and a zombie's wait s
 field 52 of /proc/PID/stat. The first rank seen dead is the cause; a rank killed by a signal
 outranks one that exited with an error in the same poll (a peer's error is the echo of a death).
 
-Out of memory: the kernel's OOM killer sends SIGKILL and counts it in the cgroup's ``oom_kill``
-(cgroup v2 ``memory.events``, v1 ``memory.oom_control``) and in the kernel log ("Killed process
-PID"); an address-space limit (RLIMIT_AS) makes allocations fail, which aborts C++ code (SIGABRT).
-Each is used when readable.
+Out of memory: the kernel's OOM killer sends SIGKILL and counts it in the memory cgroup's
+``oom_kill`` (cgroup v2 ``memory.events``, v1 ``memory.oom_control``; the watcher reads each rank's
+own cgroup at every poll, so a count that grew by its death is the evidence) and in the kernel log
+("Killed process PID"); an address-space limit (RLIMIT_AS) makes allocations fail, which aborts C++
+code (SIGABRT). Each is used when readable.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class RankWatcher:
         self.ranks: dict[int, tuple[int, psutil.Process]] = {}  # pid -> (local rank, process)
         self.deaths: list[RankDeath] = []
         self.polls = 0
-        self.oom_kills_at_start = oom_kills()
+        self.oom_counts: dict[int, tuple[Path, int]] = {}  # pid -> (its cgroup's OOM record, the count)
 
     def poll(self) -> bool:
         """Look at the ranks once; True (and nothing noted) when torchrun has started new ranks
@@ -77,13 +78,15 @@ class RankWatcher:
             status = _zombie_wait_status(pid)
             if status is not None or not p.is_running():
                 self.deaths.append(RankDeath(rank, pid, status, self.polls))
+            elif (count := oom_kills(pid)) is not None:
+                self.oom_counts[pid] = count
         return False
 
     def new_attempt(self) -> None:
         """torchrun restarted the workers: forget the old ranks."""
         self.ranks.clear()
         self.deaths.clear()
-        self.oom_kills_at_start = oom_kills()
+        self.oom_counts.clear()
 
     def first_death(self) -> RankDeath | None:
         """The first rank seen dead (a signal death first among those seen in the same poll)."""
@@ -104,14 +107,15 @@ class RankWatcher:
 
     def _memory_note(self, death: RankDeath) -> str:
         if death.signal == signal.SIGKILL:
-            now = oom_kills()
-            if now is not None and self.oom_kills_at_start is not None and now[1] > self.oom_kills_at_start[1]:
-                return (f" (likely out of memory: the kernel's OOM killer, oom_kill in {now[0]} went "
-                        f"{self.oom_kills_at_start[1]} -> {now[1]})")
+            record, before = self.oom_counts.get(death.pid, (None, None))
+            now = _oom_count(record) if record is not None else None
+            if now is not None and now > before:
+                return (f" (likely out of memory: the kernel's OOM killer, oom_kill in {record} went "
+                        f"{before} -> {now})")
             if _kernel_log_mentions_oom_kill(death.pid):
                 return f" (likely out of memory: the kernel log says the OOM killer killed PID {death.pid})"
             return (" (by a person, a scheduler or the kernel's OOM killer; " +
-                    ("the cgroup's oom_kill count did not change)" if now is not None else "no OOM record readable)"))
+                    ("its cgroup's oom_kill count did not change)" if now is not None else "no OOM record readable)"))
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
         if death.signal == signal.SIGABRT and soft != resource.RLIM_INFINITY:
             return f" (likely out of memory: an allocation beyond RLIMIT_AS={soft} bytes aborts)"
@@ -132,27 +136,32 @@ def _zombie_wait_status(pid: int) -> int | None:
     return int(fields[49])
 
 
-def oom_kills() -> tuple[str, int] | None:
-    """(file, count) of OOM kills in this process's memory cgroup, when readable."""
+def oom_kills(pid: int) -> tuple[Path, int] | None:
+    """(file, count) of OOM kills in the memory cgroup of process ``pid``, when readable."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2
-            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
+            record = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
         elif "memory" in controllers.split(","):
-            candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
+            record = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
         else:
             continue
-        try:
-            found = re.search(r"^oom_kill (\d+)$", candidate.read_text(), re.M)
-        except OSError:
-            continue
-        if found:
-            return str(candidate), int(found.group(1))
+        count = _oom_count(record)
+        if count is not None:
+            return record, count
     return None
+
+
+def _oom_count(record: Path) -> int | None:
+    try:
+        found = re.search(r"^oom_kill (\d+)$", record.read_text(), re.M)
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
 
 
 def _kernel_log_mentions_oom_kill(pid: int) -> bool:
