@@ -1,5 +1,6 @@
 """How a rank starts, stops and fails: the run-directory lock, signals, helpers that die with their
-parent, and errors reported as one line.
+parent, and errors reported as one line (a failed write as a DiskError naming the path and the free
+space: ``with writing(path, "checkpoint"): ...``).
 
     guard = RunGuard(run_dir, rank)
     with guard:                  # lock (rank 0), SIGTERM/SIGINT -> RunInterrupted, helpers die with us
