@@ -41,6 +41,10 @@ KNOWN_HARMLESS: list[tuple[str, type[Warning], str, str]] = [
     ("When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
      UserWarning, r"megatron\.core\.tensor_parallel\.layers",
      "a CUDA stream setting for overlapping gradient all-reduce; there is no CUDA stream on the CPU tier"),
+    ("Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning, r"megadiv\.parallel\.cpu_compat",
+     "torch's deprecation of the ShardedTensor that megatron's checkpoint loading uses, reported at the CPU "
+     "layer's torch-function mode (on a GPU it is reported inside torch, and filtered with the other "
+     "dependency FutureWarnings)"),
     ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
      r"megadiv\.parallel\.cpu_compat",
      "a .grad read of a non-leaf tensor in megatron's training step, reported at the CPU layer's "
