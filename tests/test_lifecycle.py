@@ -124,3 +124,10 @@ def test_a_failed_write_is_one_line_naming_the_path_and_the_free_space(tmp_path)
     assert message.endswith(f"free of {message.split(' free of ')[1].split(' on ')[0]} on the file system of {tmp_path}")
     line = RunGuard(tmp_path / "run", rank=0)._report(caught.value)
     assert "raised at" not in line and message in line  # the path is the place, not the helper that raised
+    # errors that wrap a failed write (megatron's writers, torch.save) are disk errors; others pass
+    with pytest.raises(DiskError, match=r"cannot write checkpoint .*: \[Errno 28\] No space left on device; .* free"):
+        with writing(target, "checkpoint", wrapping=(RuntimeError,)):
+            raise RuntimeError("Worker failure: [Errno 28] No space left on device")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with writing(target, "checkpoint", wrapping=(RuntimeError,)):
+            raise RuntimeError("[gloo] Connection closed by peer")

@@ -237,9 +237,10 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
     partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank()
     # a full disk or an I/O error: one line naming the checkpoint and the free space (DiskError).
-    # torch's writers report it as CheckpointException (a BaseException) wrapping the OSError,
-    # torch.save as a RuntimeError. The earlier checkpoints are never touched before this one is sealed.
-    with writing(partial, "checkpoint", errors=(OSError, RuntimeError, CheckpointException)):
+    # torch's writers report it as CheckpointException (a BaseException, which would pass the rank's
+    # one-line report by) wrapping the OSError, torch.save as a RuntimeError. The earlier checkpoints
+    # are never touched before this one is sealed.
+    with writing(partial, "checkpoint", errors=(OSError, CheckpointException), wrapping=(RuntimeError,)):
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)

@@ -122,13 +122,22 @@ class DiskError(RuntimeError):
     the path and the space left on its file system."""
 
 
+# How other errors carry a failed write: a writer's OSError inside torch's checkpoint errors, and
+# torch.save's C++ stream writer ("unexpected pos 704 vs 598" on a full disk)
+WRAPPED_IO_ERROR = re.compile(r"\[Errno \d+\]|inline_container\.cc|PytorchStreamWriter failed|file write failed")
+
+
 @contextmanager
-def writing(path: Path, what: str, errors: tuple[type[BaseException], ...] = (OSError,)):
-    """Turn ``errors`` raised inside into a DiskError naming ``what`` at ``path``, the reason and
-    the free space."""
+def writing(path: Path, what: str, errors: tuple[type[BaseException], ...] = (OSError,),
+            wrapping: tuple[type[BaseException], ...] = ()):
+    """Turn ``errors`` raised inside, and those of ``wrapping`` whose text carries a failed write,
+    into a DiskError naming ``what`` at ``path``, the reason and the free space (other errors, e.g.
+    a peer lost in a collective during a save, pass unchanged)."""
     try:
         yield
-    except errors as e:
+    except errors + wrapping as e:
+        if not isinstance(e, errors) and not WRAPPED_IO_ERROR.search(str(e)):
+            raise
         raise DiskError(f"cannot write {what} {path}: {_reason(e)}; {free_space(Path(path))}") from e
 
 
