@@ -15,10 +15,12 @@ from megadiv.data import DataConfig, load_dataset
 from megadiv.trainer.config import TrainConfig
 
 
-def preflight(cfg: TrainConfig, check_weights: bool = True) -> list[str]:
+def preflight(cfg: TrainConfig, check_weights: bool = True, checksums: bool = True) -> list[str]:
     """Raise ConfigError for the first problem found; return notes for the user (where a resume
     would start, checkpoints it would skip). ``check_weights=False``: model.hf_dir holds only a
-    config.json standing in for a checkpoint not yet on disk (check-config --hf-config)."""
+    config.json standing in for a checkpoint not yet on disk (check-config --hf-config).
+    ``checksums=False``: the resume point is checked by file sizes only (``train``, whose rank 0
+    verifies the checksums before loading: a large checkpoint is not read twice)."""
     _check_data(cfg.data, "data")
     if cfg.eval.data is not None:
         _check_data(cfg.eval.data, "eval.data")
@@ -28,7 +30,7 @@ def preflight(cfg: TrainConfig, check_weights: bool = True) -> list[str]:
         _check_model_dir(Path(cfg.model.hf_dir), cfg.model.backend, check_weights)
     else:  # warm_start.make_model creates it (TrainConfig requires that)
         _check_writable(Path(cfg.model.hf_dir), "model.hf_dir")
-    return _resume_notes(cfg, run_dir) if cfg.checkpoint.resume == "auto" else []
+    return _resume_notes(cfg, run_dir, checksums) if cfg.checkpoint.resume == "auto" else []
 
 
 def _check_data(data: DataConfig, section: str) -> None:
@@ -87,12 +89,12 @@ def _check_model_dir(hf_dir: Path, backend: str, check_weights: bool) -> None:
         raise ConfigError(f"model.hf_dir: {e}") from None
 
 
-def _resume_notes(cfg: TrainConfig, run_dir: Path) -> list[str]:
+def _resume_notes(cfg: TrainConfig, run_dir: Path, checksums: bool) -> list[str]:
     from megadiv.models.checkpoint import CheckpointError
     from megadiv.trainer.checkpoint import check_resumed_mirror_map, resume_point
 
     try:
-        path, skipped = resume_point(run_dir, cfg.parallel)
+        path, skipped = resume_point(run_dir, cfg.parallel, checksums)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.resume=auto: {e}") from None
     if path is not None:

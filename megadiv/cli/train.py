@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
         cfg = load_train_config(args, int(os.environ.get("WORLD_SIZE", args.nproc or 1)))
         if rank == 0:
-            preflight(cfg)
+            preflight(cfg, checksums=False)  # rank 0 verifies them before loading: one read of the checkpoint
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
         if launching:  # held for the job's life, restarts included: a second launch writes nothing here
             lock = RunLock(run_dir)

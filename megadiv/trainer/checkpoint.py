@@ -124,14 +124,14 @@ def check_same_on_all_ranks(value: float, what: str) -> None:
         raise RuntimeError(f"{what} differs between ranks (values from {-float(both[1])!r} to {float(both[0])!r})")
 
 
-def checkpoint_problem(path: Path) -> str | None:
+def checkpoint_problem(path: Path, checksums: bool = True) -> str | None:
     """Why ``path`` is not a complete, intact checkpoint, or None. Sizes first (cheap, and the
-    clearer message for a truncated file), then every file's checksum (manifests written before
-    checksums existed are checked by size only)."""
+    clearer message for a truncated file), then, with ``checksums``, every file's checksum (one
+    read of the whole checkpoint; manifests written before checksums existed are checked by size)."""
     manifest = path / MANIFEST
     try:
         record = json.loads(manifest.read_text())
-        listed, checksums = record["files"], record.get(CHECKSUM, {})
+        listed, expected_sums = record["files"], record.get(CHECKSUM, {}) if checksums else {}
     except FileNotFoundError:
         return f"no {MANIFEST} (the save did not finish, or an older megadiv wrote it)"
     except (OSError, ValueError, KeyError) as e:
@@ -142,7 +142,7 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
-    for name, expected in checksums.items():
+    for name, expected in expected_sums.items():
         try:
             actual = file_checksum(path / name)
         except OSError as e:
@@ -153,7 +153,7 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def resume_point(run_dir: Path, parallel: ParallelConfig) -> tuple[Path | None, list[str]]:
+def resume_point(run_dir: Path, parallel: ParallelConfig, checksums: bool = True) -> tuple[Path | None, list[str]]:
     """(the newest complete checkpoint or None when there is none at all, one line per skipped one).
 
     Raises CheckpointError when checkpoints exist but none is complete, and ConfigError when the
@@ -162,7 +162,7 @@ def resume_point(run_dir: Path, parallel: ParallelConfig) -> tuple[Path | None, 
                          and not p.name.endswith(".partial")), key=lambda p: p.name, reverse=True)
     skipped = []
     for path in candidates:
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, checksums)
         if problem is None:
             _check_layout(path, parallel)
             return path, skipped
