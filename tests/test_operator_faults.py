@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import time
@@ -223,5 +224,7 @@ def test_a_rank_killed_by_the_oom_killer_is_named_as_out_of_memory(small_memory_
     (line,) = megadiv_lines(out)
     # the evidence: the cgroup's count (when the launcher polled the rank after the move) or the kernel log
     assert rc == 1 and line.startswith("megadiv train: rank 1 was killed by SIGKILL (likely out of memory: "), line
-    assert (f"oom_kill in {small_memory_cgroup}/memory.oom_control went 0 -> 1" in line
+    counted = re.search(rf"oom_kill in {re.escape(str(small_memory_cgroup))}/memory.oom_control went (\d+) -> (\d+)\)",
+                        line)  # (a helper forked by the rank may have been killed first: the count may pass 1)
+    assert (counted and int(counted.group(1)) < int(counted.group(2))
             or f"the kernel log says the OOM killer killed PID {rank1.pid}" in line), line
