@@ -253,7 +253,7 @@ def test_make_tiny_model_refuses_an_existing_directory_unless_forced(capsys, tmp
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     rc, err = _in_process(capsys, "make-tiny-model", "--family", "qwen2", "--out", str(out))
-    assert rc == 2 and err == [f"megadiv make-tiny-model: {out} exists: choose a new directory, or pass --force "
+    assert rc == 2 and err == [f"megadiv make-tiny-model: error: {out} exists: choose a new directory, or pass --force "
                                f"to replace it"]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     rc, _ = _in_process(capsys, "make-tiny-model", "--family", "qwen2", "--out", str(out), "--force")

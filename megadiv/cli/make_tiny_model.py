@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         out = make_tiny_model(**vars(args))
-    except (FileExistsError, ValueError) as e:
-        print(f"megadiv make-tiny-model: {e}", file=sys.stderr)
+    except (FileExistsError, ValueError) as e:  # --out exists; a tokenizer or size that cannot be built
+        print(f"megadiv make-tiny-model: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.family} model to {out}")
     return 0
