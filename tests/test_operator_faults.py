@@ -110,9 +110,9 @@ def test_a_full_disk_at_a_save_is_one_line_and_spares_the_earlier_checkpoints(tm
     assert rc == 1 and "Traceback" not in out and "Exception in thread" not in out, out[-4000:]
     assert f"DiskError: cannot write checkpoint {run_dir / 'checkpoints'}/step_" in line, line
     assert "No space left on device; " in line and " free of 21.0 MB on the file system of " in line, line
-    assert [x for x in out.splitlines() if x and not x.startswith(("step ", "warm start", "eval ", "megadiv", "  then "))
-            and "[WARNING]" not in x and "Loading weights" not in x and "Writing model" not in x
-            and "made a random" not in x] == [], out[-4000:]
+    noise = [x for x in out.splitlines() if any(w in x for w in ("rror", "xception", "Traceback"))
+             and not x.startswith(("megadiv train: ", "  then "))]
+    assert noise == [], out[-4000:]  # the cause once, no echo of it from a library or a thread
     for step in (1, 2):
         assert checkpoint_problem(run_dir / "checkpoints" / f"step_{step:06d}") is None
 
