@@ -14,6 +14,7 @@ setup(
         "megatron-core==0.16.1",
         "numpy>=1.26",
         "psutil>=5.9",
+        "xxhash>=3.0",
         "pyyaml>=6.0",
         "safetensors>=0.4",
         "transformers>=5.19,<5.20",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -91,7 +92,8 @@ class ModelConfig:
     (``warm_start.make_model``)."""
 
     hf_dir: str | None = None
-    """Hugging Face checkpoint directory (config.json, safetensors, tokenizer)."""
+    """Hugging Face checkpoint directory (config.json, safetensors, tokenizer). None with
+    warm_start.make_model: the created model goes to run.output_dir/run.name/init."""
     backend: Literal["megatron", "deepspeed"] = "megatron"
     """Policy backend: megatron-core (TP/PP/DP, the families megadiv maps) or DeepSpeed ZeRO
     (any Hugging Face causal LM, data parallelism only; the deepspeed: section)."""
@@ -255,6 +257,11 @@ def check_model_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
 def load_config(cls: type, paths: str | Path | list | None = None, overrides: list[str] = ()):
     """Defaults <- YAML files (merged left to right, nested sections key by key) <- ``key.sub=value``
     overrides, validated into ``cls``."""
+    return from_dict(cls, merged_config(paths, overrides))
+
+
+def merged_config(paths: str | Path | list | None = None, overrides: list[str] = ()) -> dict:
+    """The YAML files merged left to right with the overrides applied, not yet validated."""
     data: dict = {}
     for path in [paths] if isinstance(paths, (str, Path)) else (paths or []):
         layer = read_yaml(path) or {}
@@ -270,7 +277,7 @@ def load_config(cls: type, paths: str | Path | list | None = None, overrides: li
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
         _set_dotted(data, key.strip(), parsed)
-    return from_dict(cls, data)
+    return data
 
 
 def read_yaml(path: str | Path):
@@ -395,11 +402,13 @@ def _coerce(tp, value: Any, dotted: str, root: type):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-6 (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{dotted}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):  # .nan / .inf pass every comparison check or none
+        raise ConfigError(f"{dotted}: {value!r} is not a finite number")
     return value
 
 

@@ -36,4 +36,4 @@ def test_the_tool_script_runs_the_same_parser(tmp_path):
     again = subprocess.run([sys.executable, "tools/make_tiny_model.py", *TINY, "--out", str(out)], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2
-    assert again.stderr.strip() == f"megadiv make-tiny-model: error: {out} exists; choose a new directory"
+    assert again.stderr.strip() == f"megadiv make-tiny-model: error: {out} exists: choose a new directory, or pass --force to replace it"

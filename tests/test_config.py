@@ -3,6 +3,7 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,81 @@ def test_make_model_without_megatron_mapping_is_refused_for_megatron(family):
         load([f"warm_start.make_model={family}"])
     cfg = load([f"warm_start.make_model={family}", "model.backend=deepspeed"])  # the backend that trains it
     assert cfg.warm_start.make_model == family
+
+
+def _in_process(capsys, *args: str) -> tuple[int, list[str]]:
+    """``megadiv ARGS`` in this process: (exit code, the lines of stderr)."""
+    from megadiv.cli import main
+
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return rc, capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["rollout.temperature=0"], "rollout.temperature=0 samples greedily"),
+    (["optim.lr=nan"], "optim.lr: nan is not a finite number"),
+    (["loss.delta=.inf"], "loss.delta: inf is not a finite number"),
+    (["rollout.top_p=-.inf"], "rollout.top_p: -inf is not a finite number"),
+    (["--world-size", "0"], "the world size must be >= 1 rank, got 0"),
+    (["--world-size", "-2"], "the world size must be >= 1 rank, got -2"),
+], ids=["temperature-0", "lr-nan", "delta-inf", "top_p-minus-inf", "world-0", "world-minus-2"])
+def test_values_that_cannot_train_are_refused_in_one_line(capsys, tmp_path, args, message):
+    """Issue 27: each refused by check-config with exit code 2 and one line, and by train before any
+    rank starts (the same line, no torchrun)."""
+    base = [*NEW_MODEL, f"run.output_dir={tmp_path}"]
+    rc, err = _in_process(capsys, "check-config", *base, *args)
+    assert rc == 2 and len(err) == 1 and message in err[0] and err[0].startswith("megadiv: invalid config: "), err
+    if "--world-size" not in args:
+        rc, err = _in_process(capsys, "train", *base, *args, "--nproc", "2")
+        assert rc == 2 and len(err) == 1 and message in err[0], err
+    assert not any(tmp_path.iterdir())  # nothing written
+    if message.startswith("rollout.temperature"):
+        assert "GRPO cannot learn" in err[0]
+
+
+def test_make_tiny_model_refuses_an_existing_directory_unless_forced(capsys, tmp_path):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, err = _in_process(capsys, "make-tiny-model", "--family", "qwen2", "--out", str(out))
+    assert rc == 2 and err == [f"megadiv make-tiny-model: error: {out} exists: choose a new directory, or pass --force "
+                               f"to replace it"]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    rc, _ = _in_process(capsys, "make-tiny-model", "--family", "qwen2", "--out", str(out), "--force")
+    assert rc == 0 and (out / "config.json").is_file() and not (out / "keep.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no partial directory left beside it
+
+
+def test_a_recipe_is_checked_before_its_weights_are_on_disk(capsys, tmp_path):
+    """model.hf_dir=/checkpoints/Qwen3-8B is absent: check-config and plan take the architecture from
+    examples/hf_configs/Qwen3-8B (or --hf-config) and say so; the printed config keeps the real path."""
+    from megadiv.cli.stand_in import HF_CONFIGS
+
+    recipe = [f"examples/gsm8k/{f}" for f in ("task.yaml", "models/qwen3-8b.yaml", "algorithms/grpo.yaml")]
+    recipe = [str(Path(__file__).resolve().parents[1] / f) for f in recipe] + [f"run.output_dir={tmp_path}"]
+    rc, err = _in_process(capsys, "check-config", *recipe, "--world-size", "8")
+    public = HF_CONFIGS / "Qwen3-8B" / "config.json"
+    assert rc == 0 and err == [f"megadiv: model.hf_dir=/checkpoints/Qwen3-8B holds no config.json yet; checking the "
+                               f"architecture of {public} (the public config of Qwen3-8B) in its place; the weights "
+                               f"are not checked"], err
+    mine = tmp_path / "config.json"
+    mine.write_text(public.read_text())
+    rc, err = _in_process(capsys, "check-config", *recipe, "--hf-config", str(mine), "--world-size", "8")
+    assert rc == 0 and err == [f"megadiv: checking the architecture of {mine} (--hf-config) in place of "
+                               f"model.hf_dir=/checkpoints/Qwen3-8B; its weights are not checked"], err
+    rc, err = _in_process(capsys, "check-config", *recipe, "parallel.tensor_parallel=3", "--world-size", "24")
+    assert rc == 2 and "does not divide the 32 attention heads" in err[-1]  # the architecture is really checked
+    rc, err = _in_process(capsys, "plan", *recipe, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gib", "80")
+    assert rc == 0 and "examples/hf_configs/Qwen3-8B/config.json" in err[0]
+    # without a public config of that name: the error says how to check before downloading
+    rc, err = _in_process(capsys, "check-config", *recipe, "model.hf_dir=/checkpoints/MyModel")
+    assert rc == 2 and len(err) == 1 and "--hf-config FILE" in err[0] and "make_model" not in err[0], err
+
+
+def test_a_created_model_follows_the_run_directory(tmp_path):
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "examples" / "tiny" / "grpo.yaml",
+                      [f"run.output_dir={tmp_path}", "run.name=elsewhere"])
+    assert cfg.model.hf_dir == str(tmp_path / "elsewhere" / "init")

@@ -10,8 +10,8 @@ import pytest
 
 from megadiv.config import ConfigError, ParallelConfig
 from megadiv.models.checkpoint import CheckpointError
-from megadiv.trainer.checkpoint import MANIFEST, layout_of, resume_point
-from megadiv.trainer.lifecycle import RunGuard, RunLock, RunLocked
+from megadiv.trainer.checkpoint import CHECKSUM, MANIFEST, file_checksum, layout_of, resume_point
+from megadiv.trainer.lifecycle import DiskError, RunGuard, RunLock, RunLocked, writing
 from megadiv.trainer.loggers import read_records, truncate_records
 
 TP1 = ParallelConfig()
@@ -24,7 +24,8 @@ def fake_checkpoint(root: Path, step: int, files: dict[str, bytes], parallel=TP1
         (path / name).write_bytes(data)
     if manifest:
         (path / MANIFEST).write_text(json.dumps({"step": step, "layout": layout_of(parallel), "world_size": 1,
-                                                 "files": {k: len(v) for k, v in files.items()}}))
+                                                 "files": {k: len(v) for k, v in files.items()},
+                                                 CHECKSUM: {k: file_checksum(path / k) for k in files}}))
     return path
 
 
@@ -91,3 +92,42 @@ def test_a_failure_report_is_one_line_naming_rank_step_and_file(tmp_path):
                            "(details) (raised at ")
     assert line.endswith(f"; traceback in {log}")
     assert "Traceback (most recent call last)" in log.read_text() and "step 7" in log.read_text()
+
+
+def test_a_same_size_corruption_is_caught_by_the_checksum(tmp_path):
+    good = fake_checkpoint(tmp_path, 1, {"a.distcp": bytes(range(256)) * 64})
+    corrupt = fake_checkpoint(tmp_path, 2, {"a.distcp": bytes(range(256)) * 64, "common.pt": b"c"})
+    data = bytearray((corrupt / "a.distcp").read_bytes())
+    data[8000:8004] = b"\xff\xff\xff\xff"  # same size, other bytes
+    (corrupt / "a.distcp").write_bytes(bytes(data))
+    path, skipped = resume_point(tmp_path, TP1)
+    assert path == good
+    actual = file_checksum(corrupt / "a.distcp")
+    expected = json.loads((corrupt / MANIFEST).read_text())[CHECKSUM]["a.distcp"]
+    assert skipped == [f"skipping checkpoint {corrupt}: a.distcp has xxh3_64 {actual}, the manifest says {expected} "
+                       f"(corrupted on disk after the save: same size, other bytes)"]
+    # an older manifest without checksums is checked by size alone
+    manifest = json.loads((corrupt / MANIFEST).read_text())
+    del manifest[CHECKSUM]
+    (corrupt / MANIFEST).write_text(json.dumps(manifest))
+    assert resume_point(tmp_path, TP1) == (corrupt, [])
+
+
+def test_a_failed_write_is_one_line_naming_the_path_and_the_free_space(tmp_path):
+    target = tmp_path / "no-such-dir" / "metrics.jsonl"
+    with pytest.raises(DiskError) as caught:
+        with writing(target, "metrics"):
+            target.open("a")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot write metrics {target}: No such file or directory; ")
+    assert message.endswith(f"free of {message.split(' free of ')[1].split(' on ')[0]} on the file system of {tmp_path}")
+    line = RunGuard(tmp_path / "run", rank=0)._report(caught.value)
+    assert "raised at" not in line and message in line  # the path is the place, not the helper that raised
+    # errors that wrap a failed write (megatron's writers, torch.save) are disk errors; others pass
+    with pytest.raises(DiskError, match=r"cannot write checkpoint .*: \[Errno 28\] No space left on device; .* free"):
+        with writing(target, "checkpoint", wrapping=(RuntimeError,)):
+            raise RuntimeError("Worker failure: [Errno 28] No space left on device")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with writing(target, "checkpoint", wrapping=(RuntimeError,)):
+            raise RuntimeError("[gloo] Connection closed by peer")

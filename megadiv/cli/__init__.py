@@ -3,8 +3,9 @@
 Each verb has one module in this package (``megadiv/cli/<verb>.py``) holding its argument parsing,
 ``add_arguments(parser)``, and a thin ``run(args) -> int`` that calls library code; no library
 module parses arguments. A verb module is imported only when its verb is used, so ``megadiv --help``
-stays fast. The ``--nproc`` launcher (launch.py) and the pre-launch checks (preflight.py) sit
-beside ``train``. ``python -m megadiv.cli VERB ...`` (what torchrun runs on every rank) is
+stays fast. The ``--nproc`` launcher (launch.py, with rank_deaths.py: which rank died first and
+how) and the pre-launch checks (preflight.py) sit beside ``train``; stand_in.py lets
+``check-config`` and ``plan`` check a recipe before its weights are on disk. ``python -m megadiv.cli VERB ...`` (what torchrun runs on every rank) is
 ``megadiv VERB ...``.
 """
 from __future__ import annotations

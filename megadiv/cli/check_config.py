@@ -14,6 +14,7 @@ import sys
 import yaml
 
 from megadiv.cli.preflight import preflight
+from megadiv.cli.stand_in import add_hf_config_argument, hf_config_stand_in
 from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError, to_dict
 from megadiv.models.fp8 import check_fp8_here
@@ -21,6 +22,7 @@ from megadiv.models.fp8 import check_fp8_here
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, required=False)
+    add_hf_config_argument(parser)
     parser.add_argument("--world-size", type=int, default=None,
                         help="also check that this many ranks split into TP x PP x DP and that every batch "
                              "splits exactly over the DP replicas")
@@ -28,13 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = load_train_config(args, args.world_size)
-        check_fp8_here(cfg.model.fp8)  # with the TE and GPU this machine has, if any
-        notes = preflight(cfg)
+        with hf_config_stand_in(args) as (stand_in, configured_hf_dir):
+            cfg = load_train_config(args, args.world_size)
+            check_fp8_here(cfg.model.fp8)  # with the TE and GPU this machine has, if any
+            notes = ([stand_in] if stand_in else []) + preflight(cfg, check_weights=stand_in is None)
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
     for note in notes:
         print(f"megadiv: {note}", file=sys.stderr)
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    resolved = to_dict(cfg)
+    if stand_in:  # print the configured directory, not the stand-in's
+        resolved["model"]["hf_dir"] = configured_hf_dir
+    print(yaml.safe_dump(resolved, sort_keys=False), end="")
     return 0

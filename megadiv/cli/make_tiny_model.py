@@ -10,7 +10,8 @@ from megadiv.models.tiny import DEFAULT_CHARS, FAMILIES, make_tiny_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=FAMILIES, required=True)
-    parser.add_argument("--out", required=True, help="output directory (must not exist)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist, unless --force)")
+    parser.add_argument("--force", dest="replace", action="store_true", help="replace an existing --out")
     parser.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
     parser.add_argument("--chars", default=DEFAULT_CHARS, help="alphabet of the char tokenizer")
     parser.add_argument("--vocab", type=int, default=None,

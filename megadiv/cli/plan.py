@@ -2,18 +2,16 @@
 
 Per-GPU memory of a run before it is launched (megadiv.models.plan): by component for the
 configured TP x PP (DP is what the world leaves), whether it fits, and the smallest TP x PP that
-fits. The architecture comes from ``model.hf_dir/config.json``, or from ``--hf-config`` to plan
-before the checkpoint is on disk (examples/hf_configs/ has the recipe models' public configs).
+fits. The architecture comes from ``model.hf_dir/config.json``, or before the checkpoint is on disk
+from ``--hf-config FILE`` or the recipe model's public config in examples/hf_configs/ (stand_in.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
+from megadiv.cli.stand_in import add_hf_config_argument, hf_config_stand_in
 from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError
 from megadiv.models.families import arch_from_hf_config
@@ -27,8 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, GiB")
-    parser.add_argument("--hf-config", default=None,
-                        help="a Hugging Face config.json to plan with instead of model.hf_dir's")
+    add_hf_config_argument(parser)
     parser.add_argument("--prompt-tokens", type=int, default=512,
                         help="longest prompt in tokens; rows are prompt + rollout.max_new_tokens (default 512)")
     parser.add_argument("--reserve-gib", type=float, default=3.0,
@@ -38,22 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     world = args.nodes * args.gpus_per_node
-    tmp = None
     try:
         if min(args.nodes, args.gpus_per_node, args.prompt_tokens) < 1 or args.gpu_memory_gib <= 0:
             raise ConfigError("--nodes, --gpus-per-node, --prompt-tokens must be >= 1 and --gpu-memory-gib > 0")
-        if args.hf_config:  # the run config needs a directory holding config.json
-            tmp = tempfile.mkdtemp(prefix="megadiv-plan-")
-            shutil.copy(args.hf_config, Path(tmp) / "config.json")
-            args.args = [*args.args, f"model.hf_dir={tmp}"]
-        cfg = load_train_config(args, world)
-        arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
+        with hf_config_stand_in(args) as (note, _):
+            cfg = load_train_config(args, world)
+            arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
     except (ConfigError, OSError, ValueError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
-    finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if note:
+        print(f"megadiv: {note}", file=sys.stderr)
     gpu_bytes = int(args.gpu_memory_gib * GiB)
     stage_layers = getattr(cfg.parallel, "stage_layers", None)
 

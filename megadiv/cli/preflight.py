@@ -18,9 +18,12 @@ from megadiv.trainer.config import TrainConfig, chat_template_text
 from megadiv.trainer.loggers import import_wandb
 
 
-def preflight(cfg: TrainConfig) -> list[str]:
+def preflight(cfg: TrainConfig, check_weights: bool = True, checksums: bool = True) -> list[str]:
     """Raise ConfigError for the first problem found; return notes for the user (where a resume
-    would start, checkpoints it would skip)."""
+    would start, checkpoints it would skip). ``check_weights=False``: model.hf_dir holds only a
+    config.json standing in for a checkpoint not yet on disk (check-config --hf-config).
+    ``checksums=False``: the resume point is checked by file sizes only (``train``, whose rank 0
+    verifies the checksums before loading: a large checkpoint is not read twice)."""
     for data, section in [(cfg.data, "data"), (cfg.eval.data, "eval.data")]:
         if data is not None:
             _check_data(data, section, cfg.model)
@@ -29,10 +32,10 @@ def preflight(cfg: TrainConfig) -> list[str]:
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     _check_writable(run_dir, "run.output_dir")
     if cfg.model.has_checkpoint():
-        _check_model_dir(Path(cfg.model.hf_dir), cfg.model.backend)
+        _check_model_dir(Path(cfg.model.hf_dir), cfg.model.backend, check_weights)
     else:  # warm_start.make_model creates it (TrainConfig requires that)
         _check_writable(Path(cfg.model.hf_dir), "model.hf_dir")
-    return _resume_notes(cfg, run_dir) if cfg.checkpoint.resume == "auto" else []
+    return _resume_notes(cfg, run_dir, checksums) if cfg.checkpoint.resume == "auto" else []
 
 
 def _check_data(data: DataConfig, section: str, model: ModelConfig) -> None:
@@ -71,7 +74,7 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(f"{key}: cannot write in {probe} ({e.strerror or e})") from None
 
 
-def _check_model_dir(hf_dir: Path, backend: str) -> None:
+def _check_model_dir(hf_dir: Path, backend: str, check_weights: bool) -> None:
     """config.json parses and describes a supported model (one megadiv maps to megatron, or with
     the DeepSpeed backend any model transformers knows); the safetensors files are complete and,
     for megatron, hold every tensor of that model with its shape."""
@@ -88,6 +91,8 @@ def _check_model_dir(hf_dir: Path, backend: str) -> None:
             raise ConfigError(f"model.hf_dir: transformers cannot read {hf_dir}/config.json: {e}") from None
     else:
         arch = arch_from_hf_config(load_hf_config(hf_dir))
+    if not check_weights:
+        return
     try:
         ckpt = SafetensorsCheckpoint(hf_dir)  # opening checks each file's header against its size
         try:
@@ -99,12 +104,12 @@ def _check_model_dir(hf_dir: Path, backend: str) -> None:
         raise ConfigError(f"model.hf_dir: {e}") from None
 
 
-def _resume_notes(cfg: TrainConfig, run_dir: Path) -> list[str]:
+def _resume_notes(cfg: TrainConfig, run_dir: Path, checksums: bool) -> list[str]:
     from megadiv.models.checkpoint import CheckpointError
     from megadiv.trainer.checkpoint import check_resumed_mirror_map, resume_point
 
     try:
-        path, skipped = resume_point(run_dir, cfg.parallel)
+        path, skipped = resume_point(run_dir, cfg.parallel, checksums)
     except CheckpointError as e:
         raise ConfigError(f"checkpoint.resume=auto: {e}") from None
     if path is not None:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from megadiv.config import ConfigError, load_config, split_config_args
+from megadiv.parallel.quiet import ALL_WARNINGS, FILTERED_NOTE
 from megadiv.trainer.config import TrainConfig
 
 
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--nproc", type=_positive, default=None,
                         help="launch N local ranks with torchrun (default: the current torchrun world, or 1)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the job up to N times after a failure; it resumes from the newest intact "
+                             "checkpoint (torchrun's --max-restarts; an attempt that saved nothing is not retried)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,22 +61,34 @@ def run(args: argparse.Namespace) -> int:
 
     under_torchrun = "LOCAL_RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
+    launching = not under_torchrun and ((args.nproc or 1) > 1 or args.max_restarts > 0)
+    lock = None
     try:
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
         cfg = load_train_config(args, int(os.environ.get("WORLD_SIZE", args.nproc or 1)))
         if rank == 0:
-            preflight(cfg)
+            preflight(cfg, checksums=False)  # rank 0 verifies them before loading: one read of the checkpoint
         run_dir = Path(cfg.run.output_dir) / cfg.run.name
-        if not under_torchrun:
+        if launching:  # held for the job's life, restarts included: a second launch writes nothing here
+            lock = RunLock(run_dir)
+            lock.acquire()
+        elif not under_torchrun:
             RunLock(run_dir).check_free()
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
-    if args.nproc and args.nproc > 1 and not under_torchrun:
+    if launching:
         from megadiv.cli.launch import launch
 
-        return launch(args.nproc, args.args, run_dir)
+        try:
+            return launch(args.nproc or 1, args.args, run_dir, args.max_restarts)
+        finally:
+            lock.release()
     from megadiv.trainer.grpo import train
 
+    if rank == 0 and os.environ.get(ALL_WARNINGS) != "1":
+        print(FILTERED_NOTE, file=sys.stderr, flush=True)
     try:
         train(cfg)
     except ConfigError as e:  # the run directory is locked by another run

@@ -80,14 +80,15 @@ def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars
                     head_dim: int | None = None, ffn: int = 128, tied: bool | None = None,
                     rope_theta: float = 10000.0, llama3_rope_factor: float = 8.0, max_positions: int = 512,
                     init_std: float = 0.05, dtype: str = "float32", max_shard_size: str | None = None,
-                    seed: int = 0) -> Path:
-    """Write a random ``family`` checkpoint plus tokenizer to ``out`` (atomically) and return it."""
+                    seed: int = 0, replace: bool = False) -> Path:
+    """Write a random ``family`` checkpoint plus tokenizer to ``out`` (atomically) and return it.
+    An existing ``out`` is an error (FileExistsError), or with ``replace`` is swapped for the new one."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new directory")
+    if out.exists() and not replace:
+        raise FileExistsError(f"{out} exists: choose a new directory, or pass --force to replace it")
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     tok = build_tokenizer(tokenizer, chars=chars, bpe_vocab=vocab or 320)
@@ -124,6 +125,8 @@ def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars
         save = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **save)
         tok.save_pretrained(tmp)
+        if replace and out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

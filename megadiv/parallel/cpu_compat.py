@@ -16,9 +16,12 @@ megatron-core 0.16.1 lines it addresses.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megadiv.parallel.quiet import ALL_WARNINGS
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +113,12 @@ def enable(allow_untested: bool = False) -> None:
     tp_random.CheckpointFunction.backward = staticmethod(_recompute_backward_on_cpu)
     _State.mode = _CudaToCpu()
     _State.mode.__enter__()
-    log.warning(
-        "megadiv CPU compatibility layer on (megatron-core %s): torch.cuda.current_device() -> 'cpu', "
-        "torch.cuda.synchronize() -> no-op, device='cuda' arguments -> cpu, Tensor.type() reports "
-        "torch.cuda.* names, Tensor.cuda() -> identity, no CUDA RNG state around recompute. See docs/cpu.md.",
-        version)
+    if os.environ.get("RANK", "0") == "0" or os.environ.get(ALL_WARNINGS) == "1":  # once per job, not per rank
+        log.warning(
+            "megadiv CPU compatibility layer on (megatron-core %s): torch.cuda.current_device() -> 'cpu', "
+            "torch.cuda.synchronize() -> no-op, device='cuda' arguments -> cpu, Tensor.type() reports "
+            "torch.cuda.* names, Tensor.cuda() -> identity, no CUDA RNG state around recompute. See docs/cpu.md.",
+            version)
 
 
 def disable() -> None:

@@ -19,6 +19,7 @@ Every key is documented in docs/training.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -203,12 +204,18 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
+        if self.model.hf_dir is None and self.warm_start.make_model != "none":
+            # a created model lives in its run directory, wherever run.output_dir puts it (a derived
+            # default, set once at construction)
+            created = str(Path(self.run.output_dir) / self.run.name / "init")
+            object.__setattr__(self, "model", dataclasses.replace(self.model, hf_dir=created))
         if self.model.hf_dir is None:
-            raise ConfigError("model.hf_dir is required: a Hugging Face checkpoint directory (or where "
-                              "warm_start.make_model creates one)")
+            raise ConfigError("model.hf_dir is required: a Hugging Face checkpoint directory (or set "
+                              "warm_start.make_model to create a tiny model in RUN_DIR/init)")
         if self.warm_start.make_model == "none" and not self.model.has_checkpoint():
-            raise ConfigError(f"model.hf_dir={self.model.hf_dir} holds no config.json (set warm_start.make_model "
-                              f"to create a tiny model there)")
+            raise ConfigError(f"model.hf_dir={self.model.hf_dir} holds no config.json: download the checkpoint "
+                              f"there (check-config and plan can check a recipe before that: --hf-config FILE, "
+                              f"or examples/hf_configs/<name>/config.json for a model directory named <name>)")
         self._check_backend()
         if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
             if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
@@ -216,6 +223,10 @@ class TrainConfig:
                                   f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
                                   f"model.backend=deepspeed (docs/deepspeed.md)")
             check_model_parallel(self.parallel, self.model)
+        if self.rollout.temperature == 0:
+            raise ConfigError("rollout.temperature=0 samples greedily: the n_samples responses to a prompt are all "
+                              "the same, so every group's rewards are equal, every advantage is 0 and GRPO cannot "
+                              "learn; use a temperature > 0 (1.0 samples the policy itself)")
         if self.advantage.group_size != self.rollout.n_samples:
             raise ConfigError(f"advantage.group_size ({self.advantage.group_size}) must equal rollout.n_samples "
                               f"({self.rollout.n_samples}): both are the GRPO group size")
@@ -272,6 +283,8 @@ class TrainConfig:
     def check_world_size(self, world_size: int) -> int:
         """The data-parallel size on ``world_size`` ranks; raises ConfigError unless the world
         splits into TP x PP x DP and every batch splits exactly over the DP replicas."""
+        if world_size < 1:
+            raise ConfigError(f"the world size must be >= 1 rank, got {world_size}")
         data_parallel = self.parallel.data_parallel_size(world_size)
         self._check_batch_split(data_parallel, world_size)
         return data_parallel

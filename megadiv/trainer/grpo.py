@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "batch_ahead": None,
                  "eval_before": None}
         latest = checkpoint.find_resume_point(run_dir, cfg.parallel) if cfg.checkpoint.resume == "auto" else None
+        if info.rank == 0:  # torchrun --max-restarts: resume, or refuse when the failed attempt saved nothing
+            checkpoint.note_attempt(run_dir, latest, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)

@@ -1,5 +1,6 @@
 """How a rank starts, stops and fails: the run-directory lock, signals, helpers that die with their
-parent, and errors reported as one line.
+parent, and errors reported as one line (a failed write as a DiskError naming the path and the free
+space: ``with writing(path, "checkpoint"): ...``).
 
     guard = RunGuard(run_dir, rank)
     with guard:                  # lock (rank 0), SIGTERM/SIGINT -> RunInterrupted, helpers die with us
@@ -22,12 +23,15 @@ import _thread
 import ctypes
 import fcntl
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from megadiv.config import ConfigError
@@ -82,7 +86,10 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
 
-    def acquire(self) -> None:
+    def acquire(self, unless_held_by_an_ancestor: bool = False) -> None:
+        """Take the lock or raise RunLocked. With ``unless_held_by_an_ancestor``, a lock held by a
+        process this one descends from (the ``megadiv train --nproc`` launcher, which takes it
+        before any rank starts) counts as ours: return without holding anything."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -90,6 +97,8 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            if unless_held_by_an_ancestor and _is_ancestor(holder):
+                return
             raise RunLocked(f"run directory {self.path.parent} is in use by {holder} (lock {self.path}); wait "
                             f"for that run to end or choose another run.name") from None
         os.ftruncate(fd, 0)
@@ -106,6 +115,73 @@ class RunLock:
         if self.path.parent.is_dir():
             self.acquire()
             self.release()
+
+
+class DiskError(RuntimeError):
+    """A write that failed (disk full, quota, I/O error, read-only file system): the message names
+    the path and the space left on its file system."""
+
+
+# How other errors carry a failed write: a writer's OSError inside torch's checkpoint errors, and
+# torch.save's C++ stream writer ("unexpected pos 704 vs 598" on a full disk)
+WRAPPED_IO_ERROR = re.compile(r"\[Errno \d+\]|inline_container\.cc|PytorchStreamWriter failed|file write failed")
+
+
+@contextmanager
+def writing(path: Path, what: str, errors: tuple[type[BaseException], ...] = (OSError,),
+            wrapping: tuple[type[BaseException], ...] = ()):
+    """Turn ``errors`` raised inside, and those of ``wrapping`` whose text carries a failed write,
+    into a DiskError naming ``what`` at ``path``, the reason and the free space (other errors, e.g.
+    a peer lost in a collective during a save, pass unchanged)."""
+    try:
+        yield
+    except errors + wrapping as e:
+        if not isinstance(e, errors) and not WRAPPED_IO_ERROR.search(str(e)):
+            raise
+        raise DiskError(f"cannot write {what} {path}: {_reason(e)}; {free_space(Path(path))}") from e
+
+
+def _reason(error: BaseException) -> str:
+    """An OSError's strerror; else the first '[Errno N] ...' in the text (megatron's and torch's
+    checkpoint errors wrap the writers' OSErrors), else its first line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error)
+    wrapped = re.search(r"\[Errno \d+\] [^\n]*", text)
+    return wrapped.group(0) if wrapped else (text.strip().splitlines() or [type(error).__name__])[0]
+
+
+def free_space(path: Path) -> str:
+    """'12.3 MB free of 20.0 MB on the file system of DIR', DIR the nearest existing ancestor of ``path``."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError as e:
+        return f"free space of {probe} unknown ({e.strerror or e})"
+    return f"{_bytes(usage.free)} free of {_bytes(usage.total)} on the file system of {probe}"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+
+
+def _is_ancestor(holder: str) -> bool:
+    """Whether a lock file's 'pid N on HOST' names a process this one descends from."""
+    import psutil
+
+    words = holder.split()
+    if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname():
+        return False
+    return int(words[1]) in {p.pid for p in psutil.Process().parents()}
+
+
+class RestartRefused(RuntimeError):
+    """A restarted job whose failed attempt wrote no checkpoint: it would fail the same way again."""
 
 
 class NonFiniteError(RuntimeError):
@@ -138,7 +214,7 @@ class RunGuard:
 
     def __enter__(self) -> RunGuard:
         if self.rank == 0:
-            self.lock.acquire()
+            self.lock.acquire(unless_held_by_an_ancestor=True)
         os.register_at_fork(after_in_child=_forked_child)
         self._install_signal_handlers()
         return self
@@ -168,7 +244,7 @@ class RunGuard:
         except OSError as e:  # a full or read-only disk must not hide the original error
             where = f"traceback not written ({e})"
         frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-        at = f" (raised at {frame.filename}:{frame.lineno})" if frame else ""
+        at = f" (raised at {frame.filename}:{frame.lineno})" if frame and not isinstance(error, DiskError) else ""
         message = " ".join(str(error).split()) or type(error).__name__
         return f"megadiv train: rank {self.rank} failed at step {self.step}: {type(error).__name__}: {message}{at}; {where}"
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megadiv.config import RunConfig
+from megadiv.trainer.lifecycle import writing
 from megadiv.trainer.loggers import LOGGERS, read_records
 
 # The progress line: (metric key, label, format). Missing keys are left out of the line.
@@ -58,15 +59,16 @@ class MetricsLogger:
         """``config``: the resolved run config (W&B's run config). ``resumed_step``: the checkpoint's
         step, whose records (and earlier ones) are kept; later ones, written by the interrupted
         launch after its last checkpoint, are dropped. None (a fresh start) drops every record."""
-        self.enabled, self.total_steps = enabled, total_steps
+        self.run_dir, self.enabled, self.total_steps = run_dir, enabled, total_steps
         names = ["jsonl", *(name for name in run.loggers if name != "jsonl")]
         self.backends = [LOGGERS[name](run_dir, run, config, resumed_step) for name in names] if enabled else []
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
         if not self.enabled:
             return
-        for backend in self.backends:
-            backend.log(step, metrics)
+        with writing(self.run_dir, "metrics in"):  # a full disk: one line naming the run directory and the space
+            for backend in self.backends:
+                backend.log(step, metrics)
         print(self.progress_line(step, metrics, prefix), flush=True)
 
     def progress_line(self, step: int, metrics: dict[str, float], prefix: str = "step") -> str:
