@@ -58,6 +58,42 @@ def test_update_stays_in_the_convex_orthant_and_pairs_are_antithetic():
     assert (state.centre >= 0).all() and (state.centre > 0).any()
 
 
+def _es_run(tmp_path: Path, *flags: str):
+    import argparse
+
+    from megadiv.trainer.es import ESRun, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return ESRun(parser.parse_args([str(REPO / "examples/tiny/grpo.yaml"), "loss.regularizer=sampled_mirror",
+                                    "loss.regularizer_coef=1e-4", "--out", str(tmp_path / "es"), *flags]))
+
+
+def test_authors_init_perturbations_and_unconstrained_update(tmp_path):
+    """--init authors starts at numpy's RandomState(42).randn(380) * 0.01 (their
+    initialize_es_state); perturbations are rows of RandomState(seed + g).randn (their
+    sample_perturbations); --projection none keeps negative entries and trains candidates with
+    allow_nonconvex, the default projects (ours)."""
+    import numpy as np
+
+    want = np.random.RandomState(42).randn(380) * 0.01
+    es = _es_run(tmp_path / "a", "--init", "authors", "--projection", "none")
+    assert torch.equal(es.start(), torch.from_numpy(want)) and (es.start() < 0).sum() > 150
+    rows = np.random.RandomState(42 + 3).randn(2, 380)
+    eps = antithetic(4, 42 + 3)
+    for k in range(2):
+        assert torch.equal(eps[2 * k], torch.from_numpy(rows[k])) and torch.equal(eps[2 * k + 1], -torch.from_numpy(rows[k]))
+    cmd = es._train_command("g000-c000", tmp_path / "p.json")
+    assert "loss.mirror_map.allow_nonconvex=true" in cmd
+    state, _ = next_state(ESState(es.start()), eps, [0.5, 0.1, 0.2, 0.3], 0.01, es.settings)
+    assert (state.centre < 0).any()                       # unconstrained, as the authors' update
+    default = _es_run(tmp_path / "b", "--init", "authors")
+    assert torch.equal(default.start(), torch.from_numpy(want).clamp_min(0))
+    assert not any("allow_nonconvex" in a for a in default._train_command("x", tmp_path / "p.json"))
+    from megadiv.divergence.mirror_map import MirrorMapConfig
+    assert torch.equal(_es_run(tmp_path / "c").start(), MirrorMapConfig().vector())   # --init config: ours
+
+
 def test_es_refuses_a_config_without_a_mirror_map(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megadiv.cli", "es", str(REPO / "examples/tiny/grpo.yaml"),
                            "--out", str(tmp_path / "es")], cwd=REPO, capture_output=True, text=True, timeout=120)
