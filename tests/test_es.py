@@ -175,6 +175,10 @@ def test_gbmpo_mirror_recipes_validate(tmp_path):
     es = load_config(TrainConfig, files, [f"model.hf_dir={tmp_path}"])
     assert es.data.split == "gbmpo_train" and es.eval.data.split == "gbmpo_validation" and es.grpo.steps == 100
     assert es.loss.uses_mirror_map and es.advantage.estimator == "dr_grpo"
+    files = [gbmpo / "gsm8k.yaml", gbmpo / "neural_mirror.yaml", gbmpo / "mirror_es_gsm8k.yaml"]
+    es = load_config(TrainConfig, files, [f"model.hf_dir={tmp_path}"])   # GSM8K: disjoint inner-train / validation
+    assert (es.data.name, es.data.split, es.eval.data.name, es.eval.data.split) == (
+        "gsm8k", "gbmpo_train", "gsm8k", "gbmpo_validation") and es.grpo.steps == 100
 
 
 def test_slurm_array_script_runs_each_candidate(tmp_path, monkeypatch):
