@@ -1,5 +1,5 @@
-# The two things a newcomer runs. Both build the CPU-tier environment first (idempotent).
-.PHONY: setup demo test
+# What a newcomer runs. Each builds the CPU-tier environment first (idempotent).
+.PHONY: setup demo test test-all lint
 
 setup:
 	bash tools/setup_env.sh
@@ -10,6 +10,14 @@ demo: setup
 	.venv/bin/megadiv bounds --table
 	.venv/bin/megadiv train examples/tiny/grpo.yaml --nproc 2
 
-# The full test suite (CPU; GPU tests are skipped without CUDA).
+# The fast tier, before every commit: every test not marked slow (README, Tests).
 test: setup
+	.venv/bin/python -m pytest -m "not slow"
+
+# What CI runs (.ci/run): the linter, then every test (GPU tests skip without CUDA).
+test-all: lint
 	.venv/bin/python -m pytest
+
+# pyflakes, import order and bugbear (ruff.toml); zero findings.
+lint: setup
+	.venv/bin/ruff check .

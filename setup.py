@@ -27,7 +27,7 @@ setup(
     extras_require={
         # GPU tier: CUDA builds only. apex is not on PyPI: build it from NVIDIA's sources.
         "gpu": ["transformer-engine[pytorch]>=2.2", "sglang>=0.5.23"],
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff==0.17.5"],
     },
     entry_points={"console_scripts": ["megadiv=megadiv.cli:main"]},
 )

@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -78,6 +79,10 @@ def peak_allocated_bytes(step) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def backward(loss_fn, *inputs) -> None:
+    loss_fn(*inputs).backward()
 
 
 def cuda_peak_allocated_bytes(step) -> int:
@@ -223,9 +228,9 @@ def run_rows(args) -> None:
     measure_peak = cuda_peak_allocated_bytes if cuda else peak_allocated_bytes
     results = []
     for label, loss_fn, n_inputs in rows:
-        z, ref = logits0.clone().requires_grad_(), ref_logits.clone()
-        peak = n_inputs * z.nbytes + measure_peak(lambda: loss_fn(z, ref).backward())
-        del z, ref
+        inputs = logits0.clone().requires_grad_(), ref_logits.clone()
+        peak = n_inputs * inputs[0].nbytes + measure_peak(partial(backward, loss_fn, *inputs))
+        del inputs
         wall, cpu = (statistics.median(t[i] for t in times[label]) for i in (0, 1))
         results.append((label, wall, cpu, peak))
 

@@ -45,7 +45,7 @@ def run_train(run_dir: Path, overrides: list[str], timeout_s: float) -> list[dic
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun, the rank and the server it launched
         out, _ = proc.communicate()
-        raise SystemExit(f"megadiv train timed out after {timeout_s:.0f}s:\n{out[-4000:]}")
+        raise SystemExit(f"megadiv train timed out after {timeout_s:.0f}s:\n{out[-4000:]}") from None
     if proc.returncode != 0:
         raise SystemExit(f"megadiv train failed ({proc.returncode}):\n{out[-6000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

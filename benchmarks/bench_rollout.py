@@ -142,7 +142,7 @@ def run(args, tmp: Path) -> int:
                 rows.append((f"{name}: {method}", f"{tps:.0f}", f"{sync_mb_per_s(engine, buckets, args.repeats):.0f}"))
         finally:
             engine.shutdown()
-    print(f"\n| engine / sync method | rollout tokens/s | weight sync MB/s |\n|---|---|---|")
+    print("\n| engine / sync method | rollout tokens/s | weight sync MB/s |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0

@@ -39,9 +39,12 @@ from megadiv.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E40
 from megadiv.divergence import PolicyLossConfig  # noqa: E402
 from megadiv.models.tiny import make_tiny_model  # noqa: E402
 from megadiv.parallel import initialize, shutdown  # noqa: E402
-from megadiv.trainer.micro_batches import row_lengths  # noqa: E402
-from megadiv.trainer.objectives import grpo_objective  # noqa: E402
-from megadiv.trainer.policy import Policy, SequenceBatch  # noqa: E402
+from megadiv.policy.batches import (
+    SequenceBatch,  # noqa: E402
+    row_lengths,  # noqa: E402
+)
+from megadiv.policy.megatron import Policy  # noqa: E402
+from megadiv.policy.objectives import grpo_objective  # noqa: E402
 
 
 def response_lengths(rows: int, longest: int, spread: str, seed: int = 0) -> list[int]:

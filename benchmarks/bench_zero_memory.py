@@ -4,7 +4,7 @@ data parallelism 2 on CPU (gloo); each stage runs in its own pair of processes.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_zero_memory.py [--stages 0 1 2 3] \
         [--family olmo2 --hidden 256 --layers 4 --ffn 1024] [--rows 2 --seq 64] [--json FILE]
 
-The step is the trainer's own: ``DeepSpeedPolicy.train_step`` (megadiv/trainer/policy_deepspeed.py)
+The step is the trainer's own: ``DeepSpeedPolicy.train_step`` (megadiv/policy/deepspeed.py)
 with the GRPO objective, i.e. forward of a Hugging Face causal LM (a random tiny ``--family``
 model from megadiv.models.tiny, by default olmo2, which has no Megatron mapping), log-probs and
 entropy from the divergence library (whole vocabulary, group=None), the policy loss
@@ -108,10 +108,10 @@ def worker(args: argparse.Namespace) -> None:
     from megadiv import parallel
     from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
     from megadiv.divergence import PolicyLossConfig
-    from megadiv.trainer.deepspeed_config import DeepSpeedConfig
-    from megadiv.trainer.objectives import grpo_objective
-    from megadiv.trainer.policy import SequenceBatch
-    from megadiv.trainer.policy_deepspeed import DeepSpeedPolicy
+    from megadiv.policy.batches import SequenceBatch
+    from megadiv.policy.deepspeed import DeepSpeedPolicy
+    from megadiv.policy.deepspeed_config import DeepSpeedConfig
+    from megadiv.policy.objectives import grpo_objective
 
     rank = parallel.initialize(ParallelConfig(timeout_s=300)).rank  # gloo, as the trainer's ranks
     loss_fn = grpo_objective(PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.0231,

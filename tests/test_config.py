@@ -1,4 +1,5 @@
 """Config loading: YAML + overrides into frozen dataclasses; every error names its key."""
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,7 @@ def test_defaults_file_and_overrides_compose(yaml_file):
     assert cfg.parallel.tensor_parallel == 2 and cfg.parallel.pipeline_parallel == 1
     assert cfg.optim.lr == pytest.approx(3e-6) and cfg.grpo.steps == 7 and cfg.model.num_query_groups == 2
     assert isinstance(cfg, TrainConfig)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.optim.lr = 1.0  # frozen
 
 
@@ -196,10 +197,10 @@ def test_cli_help_lists_the_verbs():
 
 def test_config_reference_is_current():
     """docs/config_reference.md is generated from the dataclasses; regenerate it with
-    `python -m megadiv.trainer.config_docs > docs/config_reference.md` after changing a key."""
+    `python -m megadiv.cli.config_docs > docs/config_reference.md` after changing a key."""
     from pathlib import Path
 
-    from megadiv.trainer.config_docs import render
+    from megadiv.cli.config_docs import render
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "config_reference.md").read_text()
     assert committed == render(), "docs/config_reference.md is stale"

@@ -15,8 +15,8 @@ import dataclasses
 import typing
 from pathlib import Path
 
+from megadiv.cli.config_docs import attribute_docs
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.config_docs import attribute_docs
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megadiv"
 

@@ -4,8 +4,19 @@ import json
 
 import pytest
 
-from megadiv.data import (DATASETS, DataConfig, DatasetError, DatasetSpec, PromptSampler, Record, char_tokenizer,
-                          epoch_permutation, load_dataset, register_dataset, shard)
+from megadiv.data import (
+    DATASETS,
+    DataConfig,
+    DatasetError,
+    DatasetSpec,
+    PromptSampler,
+    Record,
+    char_tokenizer,
+    epoch_permutation,
+    load_dataset,
+    register_dataset,
+    shard,
+)
 from megadiv.data.datasets import FILES, MBPP_SPLITS
 
 # From megadiv/data/files/SOURCES.md (copied from the upstream commits listed there).

@@ -3,7 +3,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megadiv.data import DataConfig, INSTRUCTIONS, PromptTemplate, char_tokenizer, load_dataset
+from megadiv.data import INSTRUCTIONS, DataConfig, PromptTemplate, char_tokenizer, load_dataset
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

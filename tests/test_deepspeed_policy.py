@@ -1,4 +1,4 @@
-"""The DeepSpeed backend (megadiv/trainer/policy_deepspeed.py) on real DeepSpeed (CPU accelerator,
+"""The DeepSpeed backend (megadiv/policy/deepspeed.py) on real DeepSpeed (CPU accelerator,
 gloo) against the Megatron backend on real megatron-core: the same model and batch must give the
 same losses, gradient norms and updated weights; ZeRO-3 over two ranks must match ZeRO-0 on one;
 a checkpoint must resume bit for bit. And the config rules of the ``deepspeed:`` section."""
@@ -51,7 +51,7 @@ def _assert_same(run, ref, what, optimizer):
             assert s[key] == pytest.approx(s_ref[key], **METRIC_TOL), (what, i, key, s[key], s_ref[key])
     assert run["weights"].keys() == ref["weights"].keys(), what
     for k, w in run["weights"].items():
-        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m, k=k: f"{what} {k}: {m}")
 
 
 @pytest.mark.slow
@@ -140,7 +140,7 @@ def test_deepspeed_keys_need_the_deepspeed_backend(tiny_model):
 
 
 def test_accepted_deepspeed_config(tiny_model):
-    from megadiv.trainer.deepspeed_config import engine_config
+    from megadiv.policy.deepspeed_config import engine_config
 
     cfg = _load("deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_params=cpu",
                 "deepspeed.config={zero_optimization: {reduce_bucket_size: 1000}, communication_data_type: fp32}",

@@ -16,8 +16,8 @@ from tests.torchrun import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 # Modules whose code runs with the model's tensors during training steps and weight sync.
-GPU_REACHABLE = ["megadiv/trainer/policy.py", "megadiv/trainer/micro_batches.py", "megadiv/trainer/grpo.py",
-                 "megadiv/trainer/objectives.py",
+GPU_REACHABLE = ["megadiv/policy/megatron.py", "megadiv/policy/batches.py", "megadiv/trainer/grpo.py",
+                 "megadiv/policy/objectives.py",
                  "megadiv/divergence/vocab_parallel.py", "megadiv/divergence/losses.py",
                  "megadiv/divergence/full_vocab.py", "megadiv/divergence/measures.py",
                  "megadiv/divergence/penalties.py", "megadiv/rollout/weight_sync.py", "megadiv/models/export.py"]

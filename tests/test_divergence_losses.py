@@ -10,9 +10,21 @@ import torch
 from scipy.special import lambertw
 
 from megadiv.config import ConfigError, from_dict
-from megadiv.divergence import (DIVERGENCES, POLICY_LOSSES, PolicyLossConfig, RatioDivergence, VocabDivergence,
-                                aggregate_loss, aggregation_denominator, compute_policy_loss, get_divergence,
-                                kl_reward_penalty, names_of_kind, ratio_bounds, register_divergence)
+from megadiv.divergence import (
+    DIVERGENCES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    RatioDivergence,
+    VocabDivergence,
+    aggregate_loss,
+    aggregation_denominator,
+    compute_policy_loss,
+    get_divergence,
+    kl_reward_penalty,
+    names_of_kind,
+    ratio_bounds,
+    register_divergence,
+)
 from megadiv.divergence.losses import LossAggregation
 
 AGGREGATIONS = typing.get_args(LossAggregation)

@@ -10,8 +10,16 @@ import pytest
 import torch
 
 import megadiv.divergence
-from megadiv.divergence import (DIVERGENCES, RatioDivergence, TokenDivergence, VocabDivergence,
-                                get_divergence, names_of_kind, ratio_bounds, register_divergence)
+from megadiv.divergence import (
+    DIVERGENCES,
+    RatioDivergence,
+    TokenDivergence,
+    VocabDivergence,
+    get_divergence,
+    names_of_kind,
+    ratio_bounds,
+    register_divergence,
+)
 
 # Independent closed forms on Python floats: p, q are the probabilities of the sampled token
 # under the current and the base policy, w = p / q.

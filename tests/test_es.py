@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megadiv.trainer.es import ESSettings, ESState, antithetic, es_gradient, next_state
+from megadiv.experiments.es import ESSettings, ESState, antithetic, es_gradient, next_state
 
 REPO = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -58,15 +58,11 @@ def test_update_stays_in_the_convex_orthant_and_pairs_are_antithetic():
     assert (state.centre >= 0).all() and (state.centre > 0).any()
 
 
-def _es_run(tmp_path: Path, *flags: str):
-    import argparse
+def _es_run(tmp_path: Path, init: str = "config", projection: str = "orthant"):
+    from megadiv.experiments.es import ESRun
 
-    from megadiv.trainer.es import ESRun, add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return ESRun(parser.parse_args([str(REPO / "examples/tiny/grpo.yaml"), "loss.regularizer=sampled_mirror",
-                                    "loss.regularizer_coef=1e-4", "--out", str(tmp_path / "es"), *flags]))
+    return ESRun(tmp_path / "es", [str(REPO / "examples/tiny/grpo.yaml"), "loss.regularizer=sampled_mirror",
+                                   "loss.regularizer_coef=1e-4"], ESSettings(init=init, projection=projection))
 
 
 def test_authors_init_perturbations_and_unconstrained_update(tmp_path):
@@ -77,7 +73,7 @@ def test_authors_init_perturbations_and_unconstrained_update(tmp_path):
     import numpy as np
 
     want = np.random.RandomState(42).randn(380) * 0.01
-    es = _es_run(tmp_path / "a", "--init", "authors", "--projection", "none")
+    es = _es_run(tmp_path / "a", "authors", "none")
     assert torch.equal(es.start(), torch.from_numpy(want)) and (es.start() < 0).sum() > 150
     rows = np.random.RandomState(42 + 3).randn(2, 380)
     eps = antithetic(4, 42 + 3)
@@ -87,7 +83,7 @@ def test_authors_init_perturbations_and_unconstrained_update(tmp_path):
     assert "loss.mirror_map.allow_nonconvex=true" in cmd
     state, _ = next_state(ESState(es.start()), eps, [0.5, 0.1, 0.2, 0.3], 0.01, es.settings)
     assert (state.centre < 0).any()                       # unconstrained, as the authors' update
-    default = _es_run(tmp_path / "b", "--init", "authors")
+    default = _es_run(tmp_path / "b", "authors")
     assert torch.equal(default.start(), torch.from_numpy(want).clamp_min(0))
     assert not any("allow_nonconvex" in a for a in default._train_command("x", tmp_path / "p.json"))
     from megadiv.divergence.mirror_map import MirrorMapConfig
@@ -184,7 +180,7 @@ def test_gbmpo_mirror_recipes_validate(tmp_path):
 def test_slurm_array_script_runs_each_candidate(tmp_path, monkeypatch):
     """--launcher slurm: one array over the untrained candidates, submitted with sbatch --wait and the
     user's options; each task index runs exactly its candidate's command (sbatch stubbed on PATH)."""
-    from megadiv.trainer.es import submit_slurm_array
+    from megadiv.experiments.es import submit_slurm_array
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from megadiv.cli import main
+from megadiv.cli.eval import add_arguments, format_table, plan
 from megadiv.config import load_config, to_dict
-from megadiv.evaluation_cli import format_table, plan, add_arguments
 from megadiv.models.tiny import make_tiny_model
 from megadiv.trainer.config import TrainConfig
 

@@ -7,8 +7,8 @@ import pytest
 
 from megadiv.config import ConfigError, ModelConfig, ParallelConfig
 from megadiv.models.fp8 import FP8_RECIPES, check_fp8
+from megadiv.policy.megatron import sequence_multiple
 from megadiv.rollout import RolloutConfig
-from megadiv.trainer.policy import sequence_multiple
 
 HOPPER, BLACKWELL, AMPERE, ADA = (9, 0), (10, 0), (8, 0), (8, 9)
 

@@ -61,7 +61,7 @@ def test_item_budgets_fit_the_run():
     assert [i.name for i in gpu_check.ITEMS] == list(gpu_check.RUNNERS)
 
 
-def test_arguments_are_checked_before_anything_runs(tmp_path):
+def test_arguments_are_checked_before_anything_runs(tmp_path, capsys):
     proc = run_script(timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: bash tools/gpu_check.sh OUT_DIR")
     proc = run_script("--smoke", timeout=60)          # an option where OUT_DIR belongs
@@ -69,7 +69,7 @@ def test_arguments_are_checked_before_anything_runs(tmp_path):
     for args, message in [(["--only", "gpu_tests,mfu"], "unknown item(s) mfu"), (["--budget", "0"], "--budget must be > 0")]:
         with pytest.raises(SystemExit) as exc:
             gpu_check.main([str(tmp_path / "x"), *args])
-        assert exc.value.code == 2
+        assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from megadiv.divergence.full_vocab import FullKL, FullMirrorBregman, FullProbL2
-from megadiv.divergence.mirror_map import (GROUPS, LOG_EPS, NEURONS_PER_GROUP, NUM_PARAMETERS,
-                                           NeuralMirrorMap, _act, _mean_act)
+from megadiv.divergence.mirror_map import (
+    GROUPS,
+    LOG_EPS,
+    NEURONS_PER_GROUP,
+    NUM_PARAMETERS,
+    NeuralMirrorMap,
+    _act,
+    _mean_act,
+)
 
 F64 = torch.float64
 
@@ -296,9 +303,9 @@ def test_nonconvex_maps_load_only_when_allowed_and_match_the_authors_divergence(
     """An ES-learned map of theirs is about half negative: refused by default; with
     allow_nonconvex it loads (with a warning) and D equals their bregman_divergence, negative values
     included."""
-    from megadiv.divergence.mirror_map import MirrorMapConfig, build_mirror_map
-
     import numpy as np
+
+    from megadiv.divergence.mirror_map import MirrorMapConfig, build_mirror_map
     vec = torch.from_numpy(np.random.RandomState(42).randn(380) * 0.5)   # their ES start's shape, scaled up
     torch.save(_authors_dict(vec), tmp_path / "learned.pt")
     vec = vec.float().to(F64)

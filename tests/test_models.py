@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megadiv.config import ConfigError, ModelConfig
-from megadiv.models.families import FAMILIES, plan
-from megadiv.models.hf_config import ArchSpec, arch_from_hf_config
+from megadiv.models.families import FAMILIES, arch_from_hf_config, plan
+from megadiv.models.hf_config import ArchSpec
 from megadiv.models.sharding import Layout, padded_vocab_size, shard, stage_layer_counts, unshard
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -261,7 +261,7 @@ def test_tiny_families_without_megatron_mapping(tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megadiv.models.families import FAMILIES as MEGATRON_FAMILIES
-    from megadiv.models.hf_config import arch_from_hf_config
+    from megadiv.models.families import arch_from_hf_config
     from megadiv.models.tiny import TINY_FAMILIES, make_tiny_model
     from megadiv.trainer.config import WarmStartConfig
 

@@ -14,9 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
-from megadiv.models.plan import (layer_activation_bytes, boundary_activation_bytes, parameter_count, stage_params,
-                                 state_bytes)
+from megadiv.models.families import arch_from_hf_config
+from megadiv.models.hf_config import load_hf_config
+from megadiv.models.plan import (
+    boundary_activation_bytes,
+    layer_activation_bytes,
+    parameter_count,
+    stage_params,
+    state_bytes,
+)
 from tests.torchrun import run_torchrun
 
 MICRO_BATCH, SEQ_LEN = 2, 48

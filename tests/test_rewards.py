@@ -8,8 +8,17 @@ import time
 import pytest
 
 from megadiv.data import DataConfig, Record, load_dataset
-from megadiv.rewards import (REASONS, REWARDS, MathVerifyPool, RewardConfig, RewardResult, build_reward,
-                             extract_program, math_scores, register_reward)
+from megadiv.rewards import (
+    REASONS,
+    REWARDS,
+    MathVerifyPool,
+    RewardConfig,
+    RewardResult,
+    build_reward,
+    extract_program,
+    math_scores,
+    register_reward,
+)
 from megadiv.rewards.math_worker import after_hash, extract_answer, last_boxed
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,15 +11,21 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from megadiv.rollout import (ProbeBatch, RolloutConfig, RolloutError, SamplingParams, WeightSyncError,
-                             check_mismatch, make_engine)
+from megadiv.rollout import (
+    ProbeBatch,
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    WeightSyncError,
+    check_mismatch,
+    make_engine,
+)
 from megadiv.rollout.embedded import EmbeddedEngine
 from megadiv.rollout.sglang_server import live_group_members
 from tests.torchrun import run_torchrun

@@ -14,8 +14,15 @@ import time
 import pytest
 import torch
 
-from megadiv.rollout import (ProbeBatch, RolloutConfig, RolloutError, SamplingParams, WeightSyncError,
-                             check_mismatch, make_engine)
+from megadiv.rollout import (
+    ProbeBatch,
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    WeightSyncError,
+    check_mismatch,
+    make_engine,
+)
 from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.sglang_server import live_group_members
 from megadiv.rollout.weight_sync import post
@@ -46,7 +53,7 @@ def test_prompt_groups_are_spread_over_the_servers(fleet, hf_dir, base, referenc
     a.update_weights(iter(buckets_of(base)), "on-a")
     b.update_weights(iter(buckets_of(base)), "on-b")
     with pytest.raises(RolloutError, match="disagree on the weight version"):
-        fleet.weight_version
+        _ = fleet.weight_version
     prompts = [[5, 17, 33, 8], [40, 41], [9, 60, 61], [70, 71, 72, 73, 74]]
     groups = fleet.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=6))
     assert [len(g) for g in groups] == [3, 3, 3, 3]

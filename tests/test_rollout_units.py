@@ -7,7 +7,14 @@ import torch
 from safetensors.torch import save_file
 
 from megadiv.config import ConfigError, from_dict
-from megadiv.rollout import ProbeBatch, RolloutConfig, RolloutError, SamplingParams, WeightSyncError, resolve_engine_name
+from megadiv.rollout import (
+    ProbeBatch,
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    WeightSyncError,
+    resolve_engine_name,
+)
 from megadiv.rollout.fleet import split_evenly
 from megadiv.rollout.sglang_engine import resolve_sync_method
 from megadiv.rollout.sglang_server import CPU_STANDINS, GpuPlacement, child_env, launch_command, place_server

@@ -747,8 +747,8 @@ def test_auto_refuses_without_root(monkeypatch):
 
 
 def test_code_reward_warns_every_unsafe_batch(caplog):
-    from megadiv.rewards import RewardConfig, build_reward
     from megadiv.data.datasets import Record
+    from megadiv.rewards import RewardConfig, build_reward
 
     reward = build_reward(RewardConfig(name="code", sandbox_isolation="unsafe", workers=1))
     try:

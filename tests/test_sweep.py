@@ -194,3 +194,36 @@ def test_tiny_sweep_interrupted_resumed_and_not_retrained(tmp_path):
                              timeout=300)
     assert changed.returncode == 2 and len(changed.stderr.strip().splitlines()) == 1
     assert "different grid" in changed.stderr
+
+
+def test_runner_runs_k_at_a_time_and_returns_exit_codes(tmp_path):
+    """K = 2: the first two jobs wait for each other (each touches a file, then waits until two
+    exist), which only ends if they run together; never more than K run at once."""
+    from megadiv.experiments.runner import run_parallel
+
+    job = ("touch {d}/start_{i}; touch {d}/run_{i}; n=$(ls {d} | grep -c '^run_'); echo $n >> {d}/concurrent; "
+           "for k in $(seq 300); do [ $(ls {d} | grep -c '^start_') -ge 2 ] && break; sleep 0.1; done; "
+           "[ $(ls {d} | grep -c '^start_') -ge 2 ] && echo paired > {d}/paired_{i}; rm {d}/run_{i}; exit {i}")
+    jobs = [(["sh", "-c", job.format(d=tmp_path, i=i)], tmp_path / "logs" / f"{i}.log") for i in range(4)]
+    assert run_parallel(jobs, 2, label="test") == [0, 1, 2, 3]
+    assert (tmp_path / "paired_0").is_file() and (tmp_path / "paired_1").is_file()
+    assert max(int(x) for x in (tmp_path / "concurrent").read_text().split()) <= 2
+
+
+def test_sweep_as_a_slurm_array(tmp_path, monkeypatch):
+    """--slurm: one array over the untrained runs, throttled to --parallel, each task index running
+    its run's megadiv train command (sbatch stubbed on PATH: it records its arguments)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/sbatch_args\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    sweep = Sweep([TINY, *TINY_RUN], parse_grid(GRID), [1, 2], tmp_path / "s", parallel=3, slurm="-p gpu -t 1:00:00")
+    sweep.train()
+    script = tmp_path / "s" / "slurm" / "sweep.sbatch"
+    assert (tmp_path / "sbatch_args").read_text().split() == ["--wait", "-p", "gpu", "-t", "1:00:00", str(script)]
+    text = script.read_text()
+    assert "#SBATCH --array=0,1,2,3%3" in text and f"#SBATCH --output={tmp_path / 's' / 'logs'}/run-%a.log" in text
+    cases = {line.split(")")[0].strip(): line for line in text.splitlines() if ") exec " in line}
+    for i, (cell, seed) in enumerate(sweep.runs()):
+        assert f"run.name={cell.run_name(seed)} " in cases[str(i)] and f"run.seed={seed} " in cases[str(i)]

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from megadiv.config import ConfigError
-from megadiv.trainer.micro_batches import ModelInput, row_lengths, token_budget_groups
-from megadiv.trainer.policy import SequenceBatch
+from megadiv.policy.batches import ModelInput, SequenceBatch, row_lengths, token_budget_groups
 from tests.dist.token_budget import AGGREGATIONS, BUDGET, PROMPT_LENGTHS, RESPONSE_LENGTHS, skewed_batch
 from tests.torchrun import run_torchrun
 
@@ -158,7 +157,7 @@ def test_token_budget_trains_like_the_padded_path(layout):
             assert padded["steps"][1]["loss/kl"] > 0 and padded["steps"][1]["grad_norm"] > 0
             for k, w in padded["weights"].items():
                 torch.testing.assert_close(budget["weights"][k], w, rtol=0, atol=WEIGHT_ATOL,
-                                           msg=lambda m: f"{name} rank {rank} {run} {k}: {m}")
+                                           msg=lambda m, rank=rank, run=run, k=k: f"{name} rank {rank} {run} {k}: {m}")
                 worst["weight_abs"] = max(worst["weight_abs"], float((budget["weights"][k] - w).abs().max()))
             if padded["logp_after"] is None:  # not a last pipeline stage: no log-probs here
                 assert budget["logp_after"] is None
@@ -169,7 +168,7 @@ def test_token_budget_trains_like_the_padded_path(layout):
             for key in ("logp_ref", "logp_old", "logp_after"):
                 assert budget[key].shape == padded[key].shape
                 torch.testing.assert_close(budget[key][predicts], padded[key][predicts], rtol=0, atol=LOGP_ATOL,
-                                           msg=lambda m: f"{name} rank {rank} {run} {key}: {m}")
+                                           msg=lambda m, rank=rank, run=run, key=key: f"{name} rank {rank} {run} {key}: {m}")
                 worst["logp_abs"] = max(worst["logp_abs"], float((budget[key] - padded[key])[predicts].abs().max()))
     print(f"\n{name}: budget vs padded, largest differences {worst}; micro-batches per rank "
           f"{[r['micro_batches'] for r in results]}")

@@ -39,7 +39,7 @@ def test_token_budget_and_packed_sequences_train_like_the_padded_path_on_a_gpu(t
         for key in ("logp_ref", "logp_old", "logp_after"):
             assert run[key].shape == padded[key].shape
             torch.testing.assert_close(run[key][predicts], padded[key][predicts], rtol=0, atol=5e-2,
-                                       msg=lambda m: f"{path} {key}: {m}")
+                                       msg=lambda m, path=path, key=key: f"{path} {key}: {m}")
         for name, w in padded["weights"].items():
             torch.testing.assert_close(run["weights"][name], w, rtol=2e-2, atol=2e-3,
-                                       msg=lambda m: f"{path} {name}: {m}")
+                                       msg=lambda m, path=path, name=name: f"{path} {name}: {m}")

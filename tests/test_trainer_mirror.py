@@ -14,6 +14,7 @@ import torch
 from megadiv.divergence.mirror_map import MirrorMapConfig, fingerprint, save_vector
 from tests.test_trainer import CONFIG, REPO, TINY, megadiv_train, step_records
 
+
 def test_pinned_map_is_identical_across_ranks_and_steps_and_the_check_bites(tmp_path):
     """Two ranks with different global RNG states build the same map (its own generator), write
     it once, and pass the per-step check; a rank-dependent value or a map changed mid-run fails."""

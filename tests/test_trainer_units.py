@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from megadiv.divergence import AdvantageConfig
+from megadiv.policy.batches import SequenceBatch
 from megadiv.rollout import Completion
-from megadiv.trainer.experience import (build_experience, informative_groups, overlong_shaping, take_groups)
-from megadiv.trainer.policy import SequenceBatch
+from megadiv.trainer.experience import build_experience, informative_groups, overlong_shaping, take_groups
 from tests.torchrun import run_torchrun
 
 
@@ -110,7 +110,7 @@ def _assert_same_training(run, ref, name, keys, optimizer):
             assert s[key] == pytest.approx(s_ref[key], **METRIC_TOL), (name, key, s[key], s_ref[key])
     assert run["weights"].keys() == ref["weights"].keys()
     for k, w in run["weights"].items():
-        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m: f"{name} {k}: {m}")
+        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m, k=k: f"{name} {k}: {m}")
     assert run["logp_sum"] == pytest.approx(ref["logp_sum"], rel=5e-6), name  # observed <= 1.2e-6
 
 
@@ -177,4 +177,4 @@ def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
                 assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, key)
             for k, w in r["weights"].items():
                 torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
-                                           msg=lambda m: f"TP={tp} {k}: {m}")
+                                           msg=lambda m, tp=tp, k=k: f"TP={tp} {k}: {m}")

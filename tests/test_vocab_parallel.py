@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import megadiv.divergence.full_vocab  # noqa: F401  (registers the full-vocabulary measures)
+from benchmarks.bench_divergence import peak_allocated_bytes  # the benchmark's own measurement
 from megadiv.divergence import vocab_parallel as vp
 from megadiv.divergence.registry import VocabDivergence, get_divergence, names_of_kind
-from benchmarks.bench_divergence import peak_allocated_bytes  # the benchmark's own measurement
 from tests.torchrun import run_torchrun
 
 F64 = torch.float64
@@ -212,7 +212,7 @@ def test_extra_memory_is_bounded_by_the_chunk():
         (lp + ent).sum().backward()
     for inplace, grad_bytes in ((True, 0), (False, full)):
         x = z.clone().requires_grad_()
-        assert peak_allocated_bytes(lambda: step(x, inplace)) < grad_bytes + 8 * chunk_bytes
+        assert peak_allocated_bytes(lambda x=x, inplace=inplace: step(x, inplace)) < grad_bytes + 8 * chunk_bytes
     measure = get_divergence("full_prob_l2", chunk_size=chunk)
     with torch.no_grad():
         assert peak_allocated_bytes(lambda: measure(z, zb)) < 12 * chunk_bytes
@@ -338,7 +338,7 @@ def test_tp_gradient_is_nonzero_on_ranks_not_owning_the_target(parity):
 def test_plain_all_reduce_gives_wrong_gradients(parity):
     """Negative control: the same parity check catches the known trap."""
     for rank in parity:
-        for (dtype, vocab, name), f in rank["figures"].items():
+        for (dtype, _vocab, name), f in rank["figures"].items():
             if name == "naive_all_reduce_entropy":
                 assert f["value"] <= TOLERANCE[dtype]         # values are right ...
                 assert f["grad"] > 1e-2                       # ... gradients are not

@@ -39,7 +39,7 @@ def peer():
                 break
             except requests.ConnectionError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("weight-sync peer did not start")
+                    raise RuntimeError("weight-sync peer did not start") from None
                 time.sleep(0.2)
         yield url
     finally:

@@ -6,9 +6,9 @@
 import argparse
 import sys
 
-from megadiv.models import tiny
+from megadiv.cli import make_tiny_model
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    tiny.add_arguments(parser)
-    sys.exit(tiny.run(parser.parse_args()))
+    make_tiny_model.add_arguments(parser)
+    sys.exit(make_tiny_model.run(parser.parse_args()))

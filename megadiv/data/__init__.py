@@ -8,11 +8,13 @@
 
 Imports nothing from the rest of megadiv.
 """
-from megadiv.data.config import DataConfig
-from megadiv.data.datasets import (DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset,
-                                   register_dataset)
+# registration order is the order DATASETS lists: the built-in datasets, "arithmetic", "word_arithmetic"
 from megadiv.data.arithmetic import char_tokenizer  # importing it registers the "arithmetic" dataset
+
+# isort: split
 from megadiv.data import word_problems  # noqa: F401  (registers "word_arithmetic")
+from megadiv.data.config import DataConfig
+from megadiv.data.datasets import DATASETS, Dataset, DatasetError, DatasetSpec, Record, load_dataset, register_dataset
 from megadiv.data.sampler import PromptSampler, epoch_permutation, shard
 from megadiv.data.templates import INSTRUCTIONS, PromptTemplate, problem_text
 

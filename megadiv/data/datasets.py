@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -212,21 +213,25 @@ def _mbpp_sanitized(cfg: DataConfig) -> list[Record]:
                    test_setup="\n".join(r["test_imports"]), solution=r["code"]) for r in rows]
 
 
+def _field(path: Path, n: int, row: dict, key: Optional[str], kinds: tuple[type, ...]):
+    """``row[key]`` (row n of the jsonl file ``path``), checked to be one of ``kinds``; None for no key."""
+    if key is None:
+        return None
+    if key not in row:
+        raise DatasetError(f"{path}: row {n} has no field {key!r} (fields: {sorted(row)})")
+    if not isinstance(row[key], kinds):
+        raise DatasetError(f"{path}: row {n} field {key!r} is {type(row[key]).__name__}, expected "
+                           + " or ".join(k.__name__ for k in kinds))
+    return row[key]
+
+
 def _jsonl(cfg: DataConfig) -> list[Record]:
     path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise DatasetError(f"data.path: no such file {path}")
     records = []
     for n, row in enumerate(read_jsonl(path)):
-        def get(key: Optional[str], kinds: tuple[type, ...]):
-            if key is None:
-                return None
-            if key not in row:
-                raise DatasetError(f"{path}: row {n} has no field {key!r} (fields: {sorted(row)})")
-            if not isinstance(row[key], kinds):
-                raise DatasetError(f"{path}: row {n} field {key!r} is {type(row[key]).__name__}, expected "
-                                   + " or ".join(k.__name__ for k in kinds))
-            return row[key]
+        get = partial(_field, path, n, row)
         answer = get(cfg.answer_field, (str, int, float))
         tests = get(cfg.tests_field, (list,))
         if tests is not None and (not tests or not all(isinstance(t, str) and t.strip() for t in tests)):

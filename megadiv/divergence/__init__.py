@@ -12,17 +12,33 @@
 
 The mathematics is in docs/divergences.md and docs/vocab_parallel.md.
 """
-from megadiv.divergence.registry import (DIVERGENCES, RatioDivergence, TokenDivergence, VocabDivergence,
-                                         get_divergence, names_of_kind, register_divergence)
+# registration order is the order DIVERGENCES lists (megadiv bounds --table, error messages): token measures first
 from megadiv.divergence import measures  # noqa: F401  (registers the token measures)
+
+# isort: split
 from megadiv.divergence import full_vocab, mirror_map, vocab_parallel  # noqa: F401  (registers the vocab measures)
 from megadiv.divergence.advantages import ADVANTAGES, AdvantageConfig, compute_advantages, register_advantage
 from megadiv.divergence.bounds import equivalent_deltas, ratio_bounds
 from megadiv.divergence.clipping import clip_surrogate
-from megadiv.divergence.losses import (POLICY_LOSSES, PolicyLossConfig, aggregate_loss, aggregation_denominator,
-                                       compute_policy_loss, register_policy_loss)
+from megadiv.divergence.losses import (
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    aggregate_loss,
+    aggregation_denominator,
+    compute_policy_loss,
+    register_policy_loss,
+)
 from megadiv.divergence.metrics import policy_metrics
 from megadiv.divergence.penalties import kl_penalty, kl_reward_penalty
+from megadiv.divergence.registry import (
+    DIVERGENCES,
+    RatioDivergence,
+    TokenDivergence,
+    VocabDivergence,
+    get_divergence,
+    names_of_kind,
+    register_divergence,
+)
 from megadiv.divergence.roots import lambert_w
 
 __all__ = [

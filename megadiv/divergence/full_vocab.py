@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megadiv.divergence.mirror_map import (NEURONS_PER_GROUP, PROB_FLOOR, MirrorMapConfig, NeuralMirrorMap,
-                                           as_mirror_map)
+from megadiv.divergence.mirror_map import NEURONS_PER_GROUP, PROB_FLOOR, MirrorMapConfig, NeuralMirrorMap, as_mirror_map
 from megadiv.divergence.registry import VocabDivergence, register_divergence
 from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, separable_divergence
 

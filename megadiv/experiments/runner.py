@@ -3,7 +3,7 @@
 A driver (ES, a sweep) turns each candidate into one command line, ``megadiv train`` with the
 candidate's overrides and its own ``run.output_dir``/``run.name``, and reads the run's
 ``summary.json`` when it has ended: the training loop knows nothing of the driver. Runs execute
-here one after another (:func:`run_local`) or as one SLURM job array (:func:`slurm_array`); a
+here one after another or K at a time (:func:`run_parallel`) or as one SLURM job array (:func:`slurm_array`); a
 run that died leaves no summary, which the driver records as a failure.
 """
 from __future__ import annotations
@@ -31,18 +31,15 @@ def run_summary(run_dir: Path) -> dict | None:
 
 
 def run_local(command: list[str], log: Path) -> int:
-    """Run one candidate, output to ``log``. It stays in this process group, so a signal to the
-    driver (Ctrl-C, or a kill of the group) ends the candidate too; nothing trains on in the background."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        return subprocess.call(command, stdout=fh, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    """Run one candidate, output to ``log`` (:func:`run_parallel` with one job); its exit code."""
+    return run_parallel([(command, log)], 1, label="run")[0]
 
 
 def run_parallel(jobs: list[tuple[list[str], Path]], parallel: int, label: str) -> list[int]:
     """Run ``(command, log)`` jobs here in order, at most ``parallel`` at a time; their exit codes.
-    As in :func:`run_local` the children stay in this process group; if the driver is stopped
-    (Ctrl-C), the running ones are terminated before it exits."""
+    The children stay in this process group, so a signal to the driver's group (Ctrl-C, a kill of
+    the group) ends them too, and if the driver alone is stopped the running ones are terminated
+    before it exits: nothing trains on in the background."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     codes: dict[int, int] = {}
     running: dict[int, subprocess.Popen] = {}

@@ -23,7 +23,8 @@ Outputs in DIR: ``sweep.json`` (what was swept; a rerun with another grid or bas
 refused), ``runs/`` (one run directory each), ``logs/``, ``results.json`` (runs and cells),
 ``table.md``, ``sweep.png`` (per-cell points and intervals; learning curves per cell). Rerunning
 the same command resumes: a run with a ``summary.json`` is not trained again, an interrupted one
-resumes from its checkpoints (``megadiv train``'s own resume).
+resumes from its checkpoints (``megadiv train``'s own resume). The verb's arguments are in
+megadiv/cli/sweep.py.
 """
 from __future__ import annotations
 
@@ -303,45 +304,3 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("args", nargs="+", metavar="CONFIG|key=value",
-                        help="the base training config: YAML files, then key.sub=value overrides")
-    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                        help="a grid axis (repeat for more); KEY 'config' takes YAML overlay files")
-    parser.add_argument("--seeds", required=True, help="comma-separated run.seed values, e.g. 1,2,3")
-    parser.add_argument("--out", required=True, help="sweep directory (results.json, table.md, sweep.png, runs/)")
-    parser.add_argument("--nproc", type=int, default=1, help="ranks per run (megadiv train --nproc)")
-    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (local), or the SLURM array's throttle")
-    parser.add_argument("--slurm", nargs="?", const="", default=None, metavar="SBATCH_OPTIONS",
-                        help="submit the runs as one SLURM job array (sbatch --wait) with these options")
-    parser.add_argument("--baseline", default=None, metavar="KEY=VALUE",
-                        help="baseline of the paired tests (default: the first grid key's first value)")
-    parser.add_argument("--metric", default="accuracy_after",
-                        help="summary.json key compared across cells (eval_after.KEY for a final eval metric)")
-
-
-def run(args) -> int:
-    import sys
-
-    try:
-        sweep = Sweep(args.args, parse_grid(args.grid), parse_seeds(args.seeds), Path(args.out), args.nproc,
-                      args.parallel, args.slurm, args.baseline, args.metric)
-    except (ConfigError, OSError) as e:
-        print(f"megadiv: invalid sweep: {e}", file=sys.stderr)
-        return 2
-    sweep.train()
-    results = sweep.write()
-    missing = [r["name"] for r in results["runs"] if r["metric"] is None]
-    print(table(results), flush=True)
-    print(f"sweep: results in {sweep.out / 'results.json'}, {sweep.out / 'table.md'}, {sweep.out / 'sweep.png'}",
-          flush=True)
-    if missing:
-        print(f"sweep: {len(missing)} run(s) without {args.metric!r} in summary.json: {', '.join(missing[:5])}"
-              f"{' ...' if len(missing) > 5 else ''} (see {sweep.out / 'logs'})", file=sys.stderr, flush=True)
-        return 1
-    return 0

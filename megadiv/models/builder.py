@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from megadiv.config import ConfigError, ModelConfig, ParallelConfig
-from megadiv.models.families import FAMILIES, Family
-from megadiv.models.hf_config import ArchSpec, arch_from_hf_config, load_hf_config
+from megadiv.models.families import FAMILIES, Family, arch_from_hf_config
+from megadiv.models.hf_config import ArchSpec, load_hf_config
 from megadiv.models.sharding import VOCAB_MULTIPLE, padded_vocab_size, stage_layer_counts
 
 log = logging.getLogger(__name__)
@@ -193,9 +193,13 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
     replicated: the norm misses the other shards (on any backend). Transformer Engine's layers
     set their own markers whether or not they initialise. Every other parameter is replicated
     over TP and gets the defaults."""
-    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                      set_defaults_if_not_set_tensor_model_parallel_attributes,
-                                                      set_tensor_model_parallel_attributes)
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+        set_tensor_model_parallel_attributes,
+    )
 
     splits = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))  # (layer, dim)
     for layer in module.modules():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megadiv.models.hf_config import arch_from_hf_config
+from megadiv.models.families import arch_from_hf_config
 
 METADATA_FILE = "megadiv_model.json"
 FORMAT = 1

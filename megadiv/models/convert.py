@@ -14,106 +14,68 @@ at any TP/PP). megatron-to-hf loads that checkpoint at --tp/--pp, gathers HF ten
 bucket (megadiv.models.export) and rank 0 writes each bucket as one safetensors file, plus the
 index, config.json (dtype updated) and the template's tokenizer files. Missing, extra or
 mis-shaped tensors stop the run naming the tensor and both shapes; outputs are written to
-``<out>.partial`` and renamed at the very end.
+``<out>.partial`` and renamed at the very end. The verb's arguments: megadiv/cli/convert.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 from megadiv.config import ConfigError, ModelConfig, ParallelConfig
 from megadiv.models.checkpoint import CheckpointError, read_metadata
-from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
-from megadiv.models.loading import WeightMismatchError
+from megadiv.models.families import arch_from_hf_config
+from megadiv.models.hf_config import load_hf_config
 
 log = logging.getLogger("megadiv.convert")
 
 # files of a HF checkpoint directory that are weights, not to be copied from the template
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|h5|msgpack)$|.*\.index\.json$")
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    to_mcore = sub.add_parser("hf-to-megatron", help="HF safetensors -> megatron distributed checkpoint")
-    to_mcore.add_argument("--hf-dir", required=True)
-    to_mcore.add_argument("--out", required=True, help="checkpoint directory to create")
-    to_mcore.add_argument("--stage-layers", default=None,
-                          help="layers per pipeline stage, comma-separated (default: even, or uneven ends)")
-    to_mcore.add_argument("--overwrite", action="store_true")
-    to_hf = sub.add_parser("megatron-to-hf", help="megatron distributed checkpoint -> HF safetensors")
-    to_hf.add_argument("--ckpt-dir", required=True)
-    to_hf.add_argument("--hf-template", required=True, help="HF directory giving config.json and tokenizer files")
-    to_hf.add_argument("--out", required=True, help="HF directory to create")
-    to_hf.add_argument("--shard-size", default="2GB", help="bytes per safetensors file (e.g. 500MB, 2GB)")
-    for p in (to_mcore, to_hf):
-        p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (world size must be tp*pp)")
-        p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-        p.add_argument("--dtype", choices=_DTYPES, default=None, help="default: the source checkpoint's dtype")
-
-
-def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from megadiv.parallel import shutdown
-
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    owns_groups = not dist.is_initialized()  # called from a running job: leave its groups alone
-    try:
-        if args.direction == "hf-to-megatron":
-            hf_to_megatron(args)
-        else:
-            megatron_to_hf(args)
-    except (ConfigError, WeightMismatchError, CheckpointError, FileExistsError) as e:
-        print(f"megadiv convert {args.direction}: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if owns_groups and dist.is_initialized():
-            shutdown()
-    return 0
-
-
-def hf_to_megatron(args: argparse.Namespace) -> Path:
+def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
+                   stage_layers: list[int] | None = None, overwrite: bool = False) -> Path:
+    """Stream ``hf_dir``'s safetensors into a megatron-core distributed checkpoint at ``out``,
+    on TP x PP ranks (this process's world); ``dtype`` None keeps the checkpoint's."""
     from megadiv.models.builder import build_model
     from megadiv.models.checkpoint import save_megatron_checkpoint
 
-    arch = arch_from_hf_config(load_hf_config(args.hf_dir))
-    if Path(args.out).exists() and not args.overwrite:
-        raise FileExistsError(f"{args.out} exists (use --overwrite)")
-    _start(args.tp, args.pp)
-    stage_layers = [int(n) for n in args.stage_layers.split(",")] if args.stage_layers else None
-    model = build_model(ModelConfig(hf_dir=args.hf_dir, params_dtype=args.dtype or arch.dtype, transformer_impl="local"),
+    arch = arch_from_hf_config(load_hf_config(hf_dir))
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (use --overwrite)")
+    _start(tp, pp)
+    model = build_model(ModelConfig(hf_dir=hf_dir, params_dtype=dtype or arch.dtype, transformer_impl="local"),
                         role="reference", stage_layers=stage_layers)
-    out = save_megatron_checkpoint(model, args.out, overwrite=args.overwrite)
-    log.info("wrote megatron checkpoint %s (TP=%d, PP=%d, %s)", out, args.tp, args.pp, model.config.params_dtype)
-    return out
+    written = save_megatron_checkpoint(model, out, overwrite=overwrite)
+    log.info("wrote megatron checkpoint %s (TP=%d, PP=%d, %s)", written, tp, pp, model.config.params_dtype)
+    return written
 
 
-def megatron_to_hf(args: argparse.Namespace) -> Path:
+def megatron_to_hf(ckpt_dir: str, hf_template: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
+                   shard_bytes: int = 2 << 30) -> Path:
+    """Load the megatron checkpoint ``ckpt_dir`` at TP x PP and write it as a Hugging Face
+    directory ``out`` (config and tokenizer files from ``hf_template``), ``shard_bytes`` per file."""
     from megadiv.models.builder import build_model
     from megadiv.models.checkpoint import load_megatron_checkpoint
 
-    meta = read_metadata(args.ckpt_dir)
-    template = load_hf_config(args.hf_template)
+    meta = read_metadata(ckpt_dir)
+    template = load_hf_config(hf_template)
     stored, given = arch_from_hf_config(meta["hf_config"]), arch_from_hf_config(template)
     diff = {k: (v, given.__dict__[k]) for k, v in stored.__dict__.items() if k != "dtype" and given.__dict__[k] != v}
     if diff:
-        raise CheckpointError(f"--hf-template {args.hf_template} describes another architecture than {args.ckpt_dir}; "
+        raise CheckpointError(f"--hf-template {hf_template} describes another architecture than {ckpt_dir}; "
                               f"(checkpoint, template) differ in {diff}")
-    if Path(args.out).exists():
-        raise FileExistsError(f"{args.out} exists")
-    _start(args.tp, args.pp)
-    model = build_model(ModelConfig(hf_dir=args.hf_template, params_dtype=args.dtype or meta["dtype"],
+    if Path(out).exists():
+        raise FileExistsError(f"{out} exists")
+    _start(tp, pp)
+    model = build_model(ModelConfig(hf_dir=hf_template, params_dtype=dtype or meta["dtype"],
                                     transformer_impl="local"), role="reference", load_weights=False)
-    load_megatron_checkpoint(model, args.ckpt_dir)
-    return write_hf_checkpoint(model, args.out, args.hf_template, parse_size(args.shard_size))
+    load_megatron_checkpoint(model, ckpt_dir)
+    return write_hf_checkpoint(model, out, hf_template, shard_bytes)
 
 
 def write_hf_checkpoint(model, out: str | Path, template_dir: str | Path, shard_bytes: int,

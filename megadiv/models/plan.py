@@ -49,7 +49,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Workload:
-    """What the run does per GPU, from the run config (megadiv.trainer.cli_plan builds it)."""
+    """What the run does per GPU, from the run config (megadiv.cli.plan builds it)."""
 
     micro_batch_size: int
     seq_len: int
@@ -203,7 +203,7 @@ class StateBytes:
 
 
 def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0) -> StateBytes:
-    """Actor state on one rank (megadiv.trainer.policy: the distributed optimizer with Adam, at every
+    """Actor state on one rank (megadiv.policy.megatron: the distributed optimizer with Adam, at every
     DP size, so that checkpoints have one format)."""
     distributed = optimizer == "adam"
     layout = buffer_layout(params, distributed, dp)

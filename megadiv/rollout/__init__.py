@@ -1,7 +1,8 @@
 """Rollout engines: generate completions with log-probs, and receive the trainer's weights.
 
 - engine.py: the protocol (generate / score / update_weights / pause / resume / weight_version /
-  shutdown), its result types, errors, the log-prob convention, and ``make_engine``
+  shutdown), its result types, errors and the log-prob convention
+- factory.py: ``resolve_engine_name`` and ``make_engine`` (the only module importing the engines)
 - config.py: ``RolloutConfig`` (the ``rollout`` section of the run config)
 - embedded.py: transformers in the trainer process (small models, CPU default)
 - sglang_engine.py, sglang_server.py, weight_sync.py: SGLang servers, launched or attached, and
@@ -14,8 +15,16 @@
 See docs/rollout.md.
 """
 from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.engine import (Bucket, Completion, RolloutEngine, RolloutError, SamplingParams, SyncReport,
-                                    WeightSyncError, make_engine, resolve_engine_name)
+from megadiv.rollout.engine import (
+    Bucket,
+    Completion,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    SyncReport,
+    WeightSyncError,
+)
+from megadiv.rollout.factory import make_engine, resolve_engine_name
 from megadiv.rollout.mismatch import MismatchReport, ProbeBatch, check_mismatch
 
 __all__ = ["Bucket", "Completion", "MismatchReport", "ProbeBatch", "RolloutConfig", "RolloutEngine", "RolloutError",

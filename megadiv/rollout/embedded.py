@@ -18,8 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.engine import (Bucket, Completion, RolloutError, SamplingParams, SyncReport, WeightSyncError,
-                                    check_prompts)
+from megadiv.rollout.engine import (
+    Bucket,
+    Completion,
+    RolloutError,
+    SamplingParams,
+    SyncReport,
+    WeightSyncError,
+    check_prompts,
+)
 
 
 class EmbeddedEngine:

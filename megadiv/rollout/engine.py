@@ -3,7 +3,8 @@
 Two implementations: :class:`megadiv.rollout.embedded.EmbeddedEngine` (transformers in the
 trainer process) and :class:`megadiv.rollout.sglang_engine.SGLangEngine` (an SGLang server, launched
 or attached); :class:`megadiv.rollout.fleet.FleetEngine` holds one SGLangEngine per server when
-there are several. The GRPO loop only sees this protocol::
+there are several. factory.py builds the configured one (engines import this module, never the
+factory). The GRPO loop only sees this protocol::
 
     engine = make_engine(cfg.rollout, hf_dir)
     groups = engine.generate(prompt_ids, SamplingParams.from_config(cfg.rollout))  # [prompt][sample]
@@ -121,29 +122,6 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Release the engine; stops servers it launched (not attached ones). Idempotent."""
-
-
-def resolve_engine_name(cfg: RolloutConfig) -> str:
-    """``auto`` -> sglang when CUDA and sglang are present (or servers are given), else embedded."""
-    if cfg.engine != "auto":
-        return cfg.engine
-    if cfg.server_urls or cfg.num_servers > 1:
-        return "sglang"
-    import importlib.util
-    return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
-
-
-def make_engine(cfg: RolloutConfig, hf_dir: str, reserved_bytes: int = 0) -> RolloutEngine:
-    """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update.
-    ``reserved_bytes``: GPU memory the trainer allocates after a launched server starts."""
-    if resolve_engine_name(cfg) == "embedded":
-        from megadiv.rollout.embedded import EmbeddedEngine
-        return EmbeddedEngine(hf_dir, cfg)
-    if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
-        from megadiv.rollout.fleet import FleetEngine
-        return FleetEngine(hf_dir, cfg, reserved_bytes)
-    from megadiv.rollout.sglang_engine import SGLangEngine
-    return SGLangEngine(hf_dir, cfg, reserved_bytes)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]]) -> None:

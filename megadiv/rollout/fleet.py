@@ -37,8 +37,15 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.engine import (Bucket, Completion, RolloutError, SamplingParams, SyncReport, WeightSyncError,
-                                    check_prompts)
+from megadiv.rollout.engine import (
+    Bucket,
+    Completion,
+    RolloutError,
+    SamplingParams,
+    SyncReport,
+    WeightSyncError,
+    check_prompts,
+)
 from megadiv.rollout.sglang_engine import SGLangEngine
 
 log = logging.getLogger(__name__)

@@ -36,11 +36,26 @@ import requests
 import torch
 
 from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.engine import (Bucket, Completion, RolloutError, SamplingParams, SyncReport, WeightSyncError,
-                                    check_prompts)
+from megadiv.rollout.engine import (
+    Bucket,
+    Completion,
+    RolloutError,
+    SamplingParams,
+    SyncReport,
+    WeightSyncError,
+    check_prompts,
+)
 from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, place_server
-from megadiv.rollout.weight_sync import (BroadcastGroup, Peer, check_bucket, flatten_bucket, post, read_manifest,
-                                         serialize_bucket, write_bucket)
+from megadiv.rollout.weight_sync import (
+    BroadcastGroup,
+    Peer,
+    check_bucket,
+    flatten_bucket,
+    post,
+    read_manifest,
+    serialize_bucket,
+    write_bucket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +159,7 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
-        cfg, method = self.cfg, self.sync_method
+        method = self.sync_method
         where = f"weight sync to version {version!r} ({method}) on {self.urls}"
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import psutil
 import requests
-import torch
 
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutError

@@ -187,7 +187,7 @@ class BroadcastGroup:
             errors = [str(f.exception(timeout=1)) for f in futures if f.done() and f.exception(timeout=0)]
             raise WeightSyncError(f"weight-update group {self.name} ({self.backend}, {host}:{port}) with "
                                   f"{[p.url for p in peers]} failed: {e}; servers: {errors}") from None
-        for p, f in zip(peers, futures):
+        for f in futures:
             f.result(timeout=timeout_s)
         log.info("weight-update group %s: %s, world %d, store %s:%d", self.name, self.backend, self.world_size,
                  host, port)

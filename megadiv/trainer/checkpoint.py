@@ -37,8 +37,8 @@ from megadiv.config import ConfigError, ParallelConfig
 from megadiv.divergence.losses import PolicyLossConfig
 from megadiv.divergence.mirror_map import fingerprint, load_vector, save_vector
 from megadiv.models.checkpoint import CheckpointError, sharded_state_dict, write_metadata
+from megadiv.policy.megatron import Policy
 from megadiv.trainer.lifecycle import start_helper
-from megadiv.trainer.policy import Policy
 
 # Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
 # optimizer's), gathered over DP on save and sliced on load: it reloads at another TP or DP size

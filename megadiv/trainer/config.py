@@ -26,12 +26,18 @@ from typing import Literal
 
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunConfig, check_model_parallel
 from megadiv.data import DataConfig
-from megadiv.divergence import (DIVERGENCES, AdvantageConfig, PolicyLossConfig, TokenDivergence, VocabDivergence,
-                                names_of_kind)
+from megadiv.divergence import (
+    DIVERGENCES,
+    AdvantageConfig,
+    PolicyLossConfig,
+    TokenDivergence,
+    VocabDivergence,
+    names_of_kind,
+)
 from megadiv.models.families import FAMILIES as MEGATRON_FAMILIES
+from megadiv.policy.deepspeed_config import DeepSpeedConfig, check_raw_keys
 from megadiv.rewards import RewardConfig
 from megadiv.rollout import RolloutConfig
-from megadiv.trainer.deepspeed_config import DeepSpeedConfig, check_raw_keys
 
 
 @dataclass(frozen=True)
@@ -286,8 +292,8 @@ class TrainConfig:
     def _check_token_budget(self) -> None:
         """A budget must hold one full-length row (at least one prompt token + max_new_tokens,
         rounded up to the model's sequence multiple); packing needs Transformer Engine's attention."""
-        from megadiv.trainer.micro_batches import round_up
-        from megadiv.trainer.policy import sequence_multiple
+        from megadiv.policy.batches import round_up
+        from megadiv.policy.megatron import sequence_multiple
 
         budget = self.grpo.max_tokens_per_micro_batch
         if budget is None:

@@ -26,8 +26,7 @@ from megadiv.evaluation import EvalSampling, EvalSuite, default_reward
 from megadiv.rewards import build_reward
 from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.experience import (Experience, build_experience, concat, informative_groups,
-                                        take_groups)
+from megadiv.trainer.experience import Experience, build_experience, concat, informative_groups, take_groups
 from megadiv.trainer.metrics import StepTimer
 
 log = logging.getLogger(__name__)

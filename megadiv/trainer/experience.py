@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields
 import torch
 
 from megadiv.divergence import AdvantageConfig, compute_advantages
+from megadiv.policy.batches import SequenceBatch
 from megadiv.rewards import REASONS
 from megadiv.rollout import Completion
-from megadiv.trainer.policy import SequenceBatch
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Experience:
         return cls(**state)
 
     def to_batch(self, pad_id: int) -> SequenceBatch:
-        """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see policy.py).
+        """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see megadiv/policy/megatron.py).
         Rows out of the loss keep their place (and count in B for seq-mean-token-sum-norm) with an
         all-zero loss mask."""
         batch = SequenceBatch.pack(self.prompts, self.responses, pad_id, response_values=self.rollout_logprobs,

@@ -1,7 +1,7 @@
 """The GRPO loop: generate -> reward -> advantage -> train -> sync -> evaluate / save.
 
 Rank 0 drives the rollout engine and the rewards (driver.py) and broadcasts each batch; every
-rank trains on its data-parallel slice through megatron's pipeline schedule (policy.py) and
+rank trains on its data-parallel slice through megatron's pipeline schedule (megadiv/policy/megatron.py) and
 takes part in the collective weight export that rank 0 pushes to the engine. With grpo.overlap,
 batch k+1 is generated on step k-1's weights while the ranks train on batch k (one step off-policy).
 """
@@ -19,6 +19,9 @@ import yaml
 from megadiv import parallel
 from megadiv.config import ModelConfig, to_dict
 from megadiv.divergence import compute_advantages, kl_reward_penalty
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.megatron import Policy
+from megadiv.policy.objectives import grpo_objective
 from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.backend import make_policy
@@ -27,8 +30,6 @@ from megadiv.trainer.driver import RolloutDriver, drain
 from megadiv.trainer.experience import Experience
 from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
-from megadiv.trainer.objectives import grpo_objective
-from megadiv.trainer.policy import Policy, SequenceBatch
 from megadiv.trainer.warm_start import starting_checkpoint
 
 

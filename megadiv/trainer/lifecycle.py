@@ -18,6 +18,7 @@ the rank.
 """
 from __future__ import annotations
 
+import _thread
 import ctypes
 import fcntl
 import os
@@ -27,7 +28,6 @@ import sys
 import threading
 import time
 import traceback
-import _thread
 from pathlib import Path
 
 from megadiv.config import ConfigError

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from megadiv.config import ModelConfig, OptimConfig
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.parallel import ParallelInfo
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.objectives import sft_objective
+from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.lifecycle import NonFiniteError
-from megadiv.trainer.objectives import sft_objective
-from megadiv.trainer.backend import make_policy
-from megadiv.trainer.policy import SequenceBatch
 
 log = logging.getLogger(__name__)
 

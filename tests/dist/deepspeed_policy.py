@@ -11,10 +11,10 @@ from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import DIVERGENCES, PolicyLossConfig
 from megadiv.parallel import initialize
 from megadiv.trainer import checkpoint
-from megadiv.trainer.deepspeed_config import DeepSpeedConfig
-from megadiv.trainer.objectives import grpo_objective
-from megadiv.trainer.policy import Policy
-from megadiv.trainer.policy_deepspeed import DeepSpeedPolicy
+from megadiv.policy.deepspeed_config import DeepSpeedConfig
+from megadiv.policy.objectives import grpo_objective
+from megadiv.policy.megatron import Policy
+from megadiv.policy.deepspeed import DeepSpeedPolicy
 from tests.dist.trainer_policy import ADAM, ROWS, SGD, _batch
 
 # a k3-clipped loss with a KL penalty to the reference, and the full-vocabulary regulariser

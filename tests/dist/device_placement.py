@@ -14,8 +14,9 @@ from megadiv.rollout import ProbeBatch
 from megadiv.trainer import grpo
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience
-from megadiv.trainer.objectives import grpo_objective
-from megadiv.trainer.policy import Policy, SequenceBatch
+from megadiv.policy.objectives import grpo_objective
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.megatron import Policy
 from tests.device_guard import DeviceGuard
 
 

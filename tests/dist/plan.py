@@ -6,7 +6,7 @@ import torch
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
 from megadiv.parallel import initialize, shutdown
-from megadiv.trainer.policy import Policy
+from megadiv.policy.megatron import Policy
 
 LAYOUTS_4 = ((1, 1), (2, 1), (1, 2), (2, 2))  # TP, PP on 4 ranks: DP = 4, 2, 2, 1
 

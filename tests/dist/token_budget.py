@@ -7,9 +7,10 @@ import torch
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import DIVERGENCES, PolicyLossConfig
 from megadiv.parallel import initialize
-from megadiv.trainer.micro_batches import row_lengths
-from megadiv.trainer.objectives import grpo_objective
-from megadiv.trainer.policy import Policy, SequenceBatch
+from megadiv.policy.batches import row_lengths
+from megadiv.policy.objectives import grpo_objective
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.megatron import Policy
 
 # Response lengths vary 10x (3..30 tokens). At DP=2 replica 0 holds the long rows and replica 1
 # the short ones, so the replicas form different numbers of micro-batches under the budget.

@@ -11,8 +11,8 @@ from megadiv.config import ModelConfig, ParallelConfig
 from megadiv.divergence import PolicyLossConfig
 from megadiv.parallel import initialize
 from megadiv.trainer import checkpoint
-from megadiv.trainer.objectives import grpo_objective
-from megadiv.trainer.policy import Policy
+from megadiv.policy.objectives import grpo_objective
+from megadiv.policy.megatron import Policy
 from tests.dist.trainer_policy import ADAM, ROWS, _batch
 
 LOSS = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, loss_agg="token-mean")

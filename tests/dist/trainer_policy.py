@@ -7,8 +7,9 @@ import torch.distributed as dist
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import DIVERGENCES, PolicyLossConfig
 from megadiv.parallel import initialize
-from megadiv.trainer.objectives import grpo_objective
-from megadiv.trainer.policy import Policy, SequenceBatch
+from megadiv.policy.objectives import grpo_objective
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.megatron import Policy
 
 ROWS = 8  # the global batch: every layout trains on these rows, each DP replica on its own slice
 SGD = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)

@@ -60,7 +60,8 @@ def _check_model_dir(hf_dir: Path, backend: str) -> None:
     """config.json parses and describes a supported model (one megadiv maps to megatron, or with
     the DeepSpeed backend any model transformers knows); the safetensors files are complete and,
     for megatron, hold every tensor of that model with its shape."""
-    from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
+    from megadiv.models.families import arch_from_hf_config
+    from megadiv.models.hf_config import load_hf_config
     from megadiv.models.loading import SafetensorsCheckpoint, WeightMismatchError, check_checkpoint
 
     if backend == "deepspeed":

@@ -1,6 +1,6 @@
 """The policy on this rank under DeepSpeed ZeRO: any Hugging Face causal LM, data parallelism only.
 
-The same interface as the Megatron policy (policy.py), so the GRPO loop does not know which one
+The same interface as the Megatron policy (megatron.py), so the GRPO loop does not know which one
 it holds (megadiv.trainer.backend.make_policy picks): ``log_probs``, ``train_step``,
 ``export_buckets``, ``logits_for``, ``save_hf``, ``save_state``/``load_state`` (checkpoint.py).
 
@@ -34,12 +34,12 @@ from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.checkpoint import CheckpointError
 from megadiv.models.hf_config import load_hf_config
-from megadiv.trainer.deepspeed_config import DeepSpeedConfig, engine_config
-from megadiv.trainer.policy import (HF_SHARD_BYTES, SequenceBatch, lr_scheduler, reduce_metrics, tempered,
-                                    weighted_metrics)
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.deepspeed_config import DeepSpeedConfig, engine_config
+from megadiv.policy.megatron import HF_SHARD_BYTES, lr_scheduler, reduce_metrics, tempered, weighted_metrics
 
 if TYPE_CHECKING:
-    from megadiv.trainer.objectives import LossFn
+    from megadiv.policy.objectives import LossFn
 
 CHECKPOINT_TAG = "deepspeed"  # run_dir/checkpoints/step_N/deepspeed/: DeepSpeed's own files
 # config.json keys of dropout probabilities (zeroed, as megatron's builder does: log-probs of the

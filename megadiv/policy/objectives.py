@@ -2,10 +2,10 @@
 wants: ``loss_fn(mb, logp, entropy, vocab_divergence) -> (numerator, denominator, metrics)``.
 
 Megatron sums numerators and denominators over micro-batches and data-parallel ranks and divides
-once (policy.py), so ``numerator / denominator`` summed that way is exactly the configured
+once (megatron.py), so ``numerator / denominator`` summed that way is exactly the configured
 aggregation over the whole batch. All tensors are [b, s] aligned with the predicting position.
 The denominator depends on the micro-batch (its loss mask) alone, never on the log-probs: the
-DeepSpeed policy (policy_deepspeed.py) evaluates it before the forward pass to scale each
+DeepSpeed policy (deepspeed.py) evaluates it before the forward pass to scale each
 micro-batch's backward by the global one.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from megadiv.divergence import PolicyLossConfig, compute_policy_loss
 from megadiv.divergence.losses import aggregation_denominator
-from megadiv.trainer.policy import SequenceBatch
+from megadiv.policy.batches import SequenceBatch
 
 LossFn = Callable[[SequenceBatch, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
                   tuple[torch.Tensor, "torch.Tensor | int", dict[str, torch.Tensor]]]

@@ -14,10 +14,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError
-from megadiv.models.hf_config import arch_from_hf_config, load_hf_config
+from megadiv.models.families import arch_from_hf_config
+from megadiv.models.hf_config import load_hf_config
 from megadiv.models.plan import GiB, Layout, Plan, Workload, candidate_layouts, plan_layout
-from megadiv.trainer.cli import add_config_arguments, load_train_config
 from megadiv.trainer.config import TrainConfig
 
 

@@ -1,6 +1,6 @@
 """``megadiv check-config [CONFIG ...] [key.sub=value ...]``: validate and print the resolved config.
 
-Checks what ``megadiv train`` checks before launching (megadiv.trainer.preflight): keys, types and
+Checks what ``megadiv train`` checks before launching (megadiv.cli.preflight): keys, types and
 combinations; YAML syntax (file, line and column); the data files (present, parseable, not empty);
 that the run directory can be written; the model directory (config.json, complete safetensors
 holding every tensor of that model); and the checkpoint a resume would start from (its TP/PP
@@ -13,10 +13,10 @@ import sys
 
 import yaml
 
+from megadiv.cli.preflight import preflight
+from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError, to_dict
 from megadiv.models.fp8 import check_fp8_here
-from megadiv.trainer.cli import add_config_arguments, load_train_config
-from megadiv.trainer.preflight import preflight
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ token t+1, so every per-token tensor is [B, S] aligned with the *predicting* pos
 
 Micro-batches: ``micro_batch_size`` rows each, all padded to the batch's longest row, or, with a
 token budget (``max_tokens_per_micro_batch``), rows grouped by length and each micro-batch fed
-at its own longest row, or packed without padding (THD, Transformer Engine): micro_batches.py.
+at its own longest row, or packed without padding (THD, Transformer Engine): batches.py.
 
 Loss scaling (the one Megatron-specific piece): megatron runs with ``calculate_per_token_loss``,
 so each micro-batch's loss function returns an aggregation *numerator* and its share of the
@@ -21,7 +21,6 @@ split into micro-batches and DP ranks is therefore exactly the token-mean over t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -32,77 +31,12 @@ from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.builder import MegatronModel, build_model
-from megadiv.trainer.micro_batches import ModelInput, round_up, row_lengths, token_budget_groups
+from megadiv.policy.batches import ModelInput, SequenceBatch, round_up, row_lengths
 
 if TYPE_CHECKING:
-    from megadiv.trainer.objectives import LossFn
+    from megadiv.policy.objectives import LossFn
 
 HF_SHARD_BYTES = 2 << 30  # safetensors file size of a Hugging Face export
-
-
-@dataclass
-class SequenceBatch:
-    """Rows for one forward pass or optimizer step; every tensor is [B, S] unless noted."""
-
-    tokens: torch.Tensor                    # int64, prompt + response, right-padded
-    loss_mask: torch.Tensor                 # float, 1 where position t predicts a response token
-    advantages: torch.Tensor | None = None  # [B]
-    logp_old: torch.Tensor | None = None
-    logp_ref: torch.Tensor | None = None
-    logp_rollout: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def rows(self, index) -> "SequenceBatch":
-        return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-                                for f in fields(self)})
-
-    def split(self, parts: int) -> list["SequenceBatch"]:
-        """``parts`` equal consecutive slices; an uneven split is an error, never a dropped row."""
-        if len(self) % parts:
-            raise ValueError(f"{len(self)} rows do not split into {parts} equal parts")
-        size = len(self) // parts
-        return [self.rows(slice(i, i + size)) for i in range(0, len(self), size)]
-
-    def micro_batches(self, size: int) -> list["SequenceBatch"]:
-        if len(self) % size:
-            raise ValueError(f"{len(self)} rows do not split into micro-batches of {size}")
-        return self.split(len(self) // size)
-
-    def by_token_budget(self, max_tokens: int, max_rows: int, multiple: int = 1
-                        ) -> tuple[list["SequenceBatch"], torch.Tensor]:
-        """Micro-batches of at most ``max_tokens`` padded tokens (rows x longest row rounded up to
-        ``multiple``) and ``max_rows`` rows, rows longest first (micro_batches.py), each still
-        [b, S]: the policy feeds it at its own width. Also the row order: the micro-batches
-        concatenated are ``self.rows(order)``."""
-        groups = token_budget_groups(row_lengths(self.loss_mask).tolist(), max_tokens, max_rows, multiple)
-        host = torch.device("cpu")  # row indices: they index host and device fields alike
-        return ([self.rows(torch.tensor(g, device=host)) for g in groups],
-                torch.tensor([i for g in groups for i in g], device=host))
-
-    def to(self, device: torch.device) -> "SequenceBatch":
-        return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                                for f in fields(self)})
-
-    @classmethod
-    def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-             response_values: list[list[float]] | None = None, **fields) -> "SequenceBatch":
-        """Right-padded rows prompt + response; ``loss_mask`` (and ``logp_rollout`` from
-        ``response_values``) sit on the positions that predict response tokens. Built in host
-        memory (row by row); the policy moves each micro-batch to the model's device."""
-        seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
-        host = torch.device("cpu")
-        tokens = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long, device=host)
-        mask = torch.zeros(len(prompts), seq_len, device=host)
-        values = torch.zeros(len(prompts), seq_len, device=host) if response_values is not None else None
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            tokens[i, :len(p) + len(r)] = torch.tensor(p + r, device=host)
-            start = len(p) - 1  # the last prompt position predicts the first response token
-            mask[i, start:start + len(r)] = 1.0
-            if values is not None:
-                values[i, start:start + len(r)] = torch.tensor(response_values[i], dtype=torch.float32, device=host)
-        return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)
 
 
 class Policy:
@@ -148,8 +82,11 @@ class Policy:
             self._init_training(optim_cfg or OptimConfig(), total_steps)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = self.model.config

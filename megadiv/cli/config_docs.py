@@ -1,6 +1,6 @@
 """Render every key of TrainConfig (default and the attribute's docstring) as Markdown.
 
-``python -m megadiv.trainer.config_docs > docs/config_reference.md``; a test checks that the
+``python -m megadiv.cli.config_docs > docs/config_reference.md``; a test checks that the
 committed file is current, so the reference cannot drift from the code.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _type_name(tp) -> str:
 def render() -> str:
     lines = ["# Config reference", "",
              "Every key `megadiv train` accepts, with its default. Generated from the config dataclasses by",
-             "`python -m megadiv.trainer.config_docs`; do not edit by hand. Set keys in the YAML file or as",
+             "`python -m megadiv.cli.config_docs`; do not edit by hand. Set keys in the YAML file or as",
              "`section.key=value` overrides on the command line.", ""]
     hints = typing.get_type_hints(TrainConfig)
     for section in dataclasses.fields(TrainConfig):

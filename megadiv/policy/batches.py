@@ -1,4 +1,5 @@
-"""Micro-batches without compute on padding: token-budget grouping and the model's input layout.
+"""The rows a policy trains on (:class:`SequenceBatch`), and micro-batches without compute on
+padding: token-budget grouping and the model's input layout.
 
 A batch's rows are right-padded to its longest row S. With a token budget (verl's dynamic batch
 size), the rows are sorted longest first and cut into runs whose padded size, rows x the run's
@@ -14,11 +15,11 @@ row of T = sum(lengths) tokens (THD layout), and attention is kept within each r
 
 Whatever the layout, per-token results come back as [b, S] rows (:meth:`ModelInput.to_rows`), so
 the loss functions see exactly the tensors of the padded path and every loss aggregation is
-unchanged (policy.py sums numerators and denominators over micro-batches).
+unchanged (megatron.py sums numerators and denominators over micro-batches).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,7 +30,7 @@ def round_up(n: int, multiple: int) -> int:
 
 def row_lengths(loss_mask: torch.Tensor) -> torch.Tensor:
     """Tokens of each row before right-padding, [B, S] -> [B] int64, read off the loss mask: the
-    last position that predicts a response token is length - 2 (see policy.py). A row without
+    last position that predicts a response token is length - 2 (see megatron.py). A row without
     response tokens counts as 1 token (nothing reads its values; it keeps a place in its batch)."""
     positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
     last = torch.where(loss_mask > 0, positions, -1).amax(-1)  # -1: no response token
@@ -120,3 +121,68 @@ class ModelInput:
             return torch.nn.functional.pad(values, (0, self.width - values.shape[1]))
         rows = values.new_zeros(self.rows, self.width)
         return rows.index_put((self.row_of, self.col_of), values[0, :self.row_of.numel()])
+
+
+@dataclass
+class SequenceBatch:
+    """Rows for one forward pass or optimizer step; every tensor is [B, S] unless noted."""
+
+    tokens: torch.Tensor                    # int64, prompt + response, right-padded
+    loss_mask: torch.Tensor                 # float, 1 where position t predicts a response token
+    advantages: torch.Tensor | None = None  # [B]
+    logp_old: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    logp_rollout: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index) -> "SequenceBatch":
+        return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                                for f in fields(self)})
+
+    def split(self, parts: int) -> list["SequenceBatch"]:
+        """``parts`` equal consecutive slices; an uneven split is an error, never a dropped row."""
+        if len(self) % parts:
+            raise ValueError(f"{len(self)} rows do not split into {parts} equal parts")
+        size = len(self) // parts
+        return [self.rows(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def micro_batches(self, size: int) -> list["SequenceBatch"]:
+        if len(self) % size:
+            raise ValueError(f"{len(self)} rows do not split into micro-batches of {size}")
+        return self.split(len(self) // size)
+
+    def by_token_budget(self, max_tokens: int, max_rows: int, multiple: int = 1
+                        ) -> tuple[list["SequenceBatch"], torch.Tensor]:
+        """Micro-batches of at most ``max_tokens`` padded tokens (rows x longest row rounded up to
+        ``multiple``) and ``max_rows`` rows, rows longest first (token_budget_groups), each still
+        [b, S]: the policy feeds it at its own width. Also the row order: the micro-batches
+        concatenated are ``self.rows(order)``."""
+        groups = token_budget_groups(row_lengths(self.loss_mask).tolist(), max_tokens, max_rows, multiple)
+        host = torch.device("cpu")  # row indices: they index host and device fields alike
+        return ([self.rows(torch.tensor(g, device=host)) for g in groups],
+                torch.tensor([i for g in groups for i in g], device=host))
+
+    def to(self, device: torch.device) -> "SequenceBatch":
+        return SequenceBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                for f in fields(self)})
+
+    @classmethod
+    def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+             response_values: list[list[float]] | None = None, **fields) -> "SequenceBatch":
+        """Right-padded rows prompt + response; ``loss_mask`` (and ``logp_rollout`` from
+        ``response_values``) sit on the positions that predict response tokens. Built in host
+        memory (row by row); the policy moves each micro-batch to the model's device."""
+        seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        host = torch.device("cpu")
+        tokens = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long, device=host)
+        mask = torch.zeros(len(prompts), seq_len, device=host)
+        values = torch.zeros(len(prompts), seq_len, device=host) if response_values is not None else None
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            tokens[i, :len(p) + len(r)] = torch.tensor(p + r, device=host)
+            start = len(p) - 1  # the last prompt position predicts the first response token
+            mask[i, start:start + len(r)] = 1.0
+            if values is not None:
+                values[i, start:start + len(r)] = torch.tensor(response_values[i], dtype=torch.float32, device=host)
+        return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)

@@ -29,16 +29,13 @@ State is ``DIR/history.jsonl`` alone (one line per trained candidate): a restart
 generations from it, which reproduces every centre bit for bit, and continues at the first
 candidate without a line; a half-trained candidate resumes from its own checkpoints. Outputs:
 ``DIR/best.json`` (centre, its mean fitness, the best single candidate), ``DIR/best_mirror_map.json``
-(the centre as a ``loss.mirror_map.params`` file), ``DIR/es.png``.
+(the centre as a ``loss.mirror_map.params`` file), ``DIR/es.png``. Candidates are launched and read
+by runner.py; the verb's arguments are in megadiv/cli/es.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import shlex
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +46,7 @@ import torch
 
 from megadiv.config import ConfigError, load_config, split_config_args
 from megadiv.divergence.mirror_map import INIT_SCALE, NUM_PARAMETERS, save_vector
+from megadiv.experiments.runner import run_local, run_summary, slurm_array, train_command
 from megadiv.trainer.config import TrainConfig
 
 
@@ -135,12 +133,12 @@ def next_state(state: ESState, eps: list[torch.Tensor], fitness: list[float], si
 class ESRun:
     """One ES directory: its settings, the history so far, and how candidates are launched."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.out = Path(args.out)
-        self.config_args = list(args.args)
-        self.settings = ESSettings(args.population, args.generations, args.sigma, args.sigma_decay, args.lr,
-                                   args.elite_frac, args.seed, args.init, args.projection)
-        self.nproc, self.launcher, self.slurm_options = args.nproc, args.launcher, args.slurm_options
+    def __init__(self, out: str | Path, config_args: list[str], settings: ESSettings, nproc: int = 1,
+                 launcher: str = "local", slurm_options: str = ""):
+        self.out = Path(out)
+        self.config_args = list(config_args)
+        self.settings = settings
+        self.nproc, self.launcher, self.slurm_options = nproc, launcher, slurm_options
         paths, overrides = split_config_args(self.config_args)
         self.cfg = load_config(TrainConfig, paths, overrides)
         if not self.cfg.loss.uses_mirror_map:
@@ -215,18 +213,17 @@ class ESRun:
         return [self.history[(g, i)]["fitness"] for i in range(len(params))]
 
     def _train_command(self, name: str, params_file: Path) -> list[str]:
-        return [sys.executable, "-m", "megadiv.cli", "train", *self.config_args,
-                f"run.output_dir={self.out / 'runs'}", f"run.name={name}",
-                f"loss.mirror_map.params={params_file}", "--nproc", str(self.nproc),
-                *(["loss.mirror_map.allow_nonconvex=true"] if self.settings.projection == "none" else [])]
+        return train_command(self.config_args, self.out / "runs", name, [f"loss.mirror_map.params={params_file}",
+                             *(["loss.mirror_map.allow_nonconvex=true"] if self.settings.projection == "none" else [])],
+                             self.nproc)
 
     def _record(self, g: int, i: int, name: str, params_file: Path, params: torch.Tensor) -> None:
         """Read the candidate's held-out pass@1 (0 when the run failed: the authors' convention)
         and append its line to history.jsonl."""
-        summary = self.out / "runs" / name / "summary.json"
-        accuracy = json.loads(summary.read_text()).get("accuracy_after") if summary.is_file() else None
+        run_dir = self.out / "runs" / name
+        accuracy = (run_summary(run_dir) or {}).get("accuracy_after")
         record = {"generation": g, "index": i, "fitness": float(accuracy or 0.0), "failed": accuracy is None,
-                  "params": str(params_file), "params_sha": _digest(params), "run_dir": str(summary.parent)}
+                  "params": str(params_file), "params_sha": _digest(params), "run_dir": str(run_dir)}
         if accuracy is None:
             print(f"es: {name} produced no summary (failed run, fitness 0); see {self.out / 'runs' / name}.log",
                   file=sys.stderr, flush=True)
@@ -253,31 +250,11 @@ def _digest(vec: torch.Tensor) -> str:
     return hashlib.sha256(vec.to(torch.float64).contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def run_local(command: list[str], log: Path) -> int:
-    """Run one candidate, output to ``log``. It stays in this process group, so a signal to the ES
-    (Ctrl-C, or a kill of the group) ends the candidate too; nothing trains on in the background."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        return subprocess.call(command, stdout=fh, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-
-
 def submit_slurm_array(out: Path, g: int, commands: dict[int, list[str]], options: str) -> None:
-    """One SLURM job array for the candidates of generation g that have no fitness yet, submitted
-    with ``sbatch --wait`` (returns when every task has ended). Each task runs ``megadiv train``
-    on one node; ``--slurm-options`` carries partition, GPUs, time, account."""
-    script = out / "slurm" / f"generation_{g:03d}.sbatch"
-    script.parent.mkdir(parents=True, exist_ok=True)
-    cases = "\n".join(f"  {i}) exec {shlex.join(cmd)} ;;" for i, cmd in commands.items())
-    script.write_text(f"#!/bin/bash\n#SBATCH --job-name=megadiv-es-g{g:03d}\n"
-                      f"#SBATCH --array={','.join(map(str, commands))}\n"
-                      f"#SBATCH --output={out / 'runs'}/g{g:03d}-c%3a.log\n"
-                      f"cd {shlex.quote(os.getcwd())}\nexport OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}\n"
-                      f"case $SLURM_ARRAY_TASK_ID in\n{cases}\nesac\n")
-    (out / "runs").mkdir(exist_ok=True)
-    cmd = ["sbatch", "--wait", *shlex.split(options), str(script)]
-    print(f"es generation {g + 1}: {shlex.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=False)
+    """One SLURM job array for the candidates of generation g that have no fitness yet (runner.py);
+    candidate i logs to ``runs/g<g>-c<i>.log``, as it does when run here."""
+    slurm_array(out / "slurm" / f"generation_{g:03d}.sbatch", f"megadiv-es-g{g:03d}",
+                f"{out / 'runs'}/g{g:03d}-c%3a.log", commands, options, f"es generation {g + 1}")
 
 
 def plot_es(out: Path) -> None:
@@ -300,43 +277,3 @@ def plot_es(out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "es.png", dpi=100)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ESSettings()
-    parser.add_argument("args", nargs="+", metavar="CONFIG|key=value",
-                        help="the training config of every candidate: YAML files, then key.sub=value overrides")
-    parser.add_argument("--population", type=int, default=d.population, help="candidates per generation (even)")
-    parser.add_argument("--generations", type=int, default=d.generations, help="ES generations (meta-iterations)")
-    parser.add_argument("--sigma", type=float, default=d.sigma, help="perturbation scale of the first generation")
-    parser.add_argument("--sigma-decay", type=float, default=d.sigma_decay, help="sigma factor per generation")
-    parser.add_argument("--lr", type=float, default=d.lr, help="ES step size alpha")
-    parser.add_argument("--elite-frac", type=float, default=d.elite_frac,
-                        help="fraction of a rejected generation kept as elites")
-    parser.add_argument("--seed", type=int, default=d.seed,
-                        help="perturbations of generation g: RandomState(seed + g); --init authors: RandomState(seed)")
-    parser.add_argument("--init", choices=("config", "authors"), default=d.init,
-                        help="first centre: the config's loss.mirror_map (ours) or RandomState(seed).randn(380) * 0.01 "
-                             "(the authors')")
-    parser.add_argument("--projection", choices=("orthant", "none"), default=d.projection,
-                        help="orthant: candidates and centre clamped >= 0, h convex (ours); none: the authors' "
-                             "unconstrained update (candidates train with loss.mirror_map.allow_nonconvex)")
-    parser.add_argument("--out", required=True, help="ES directory (history.jsonl, best.json, es.png, runs/)")
-    parser.add_argument("--nproc", type=int, default=1, help="ranks per candidate run (megadiv train --nproc)")
-    parser.add_argument("--launcher", choices=("local", "slurm"), default="local",
-                        help="local: candidates one after another here; slurm: one job array per generation")
-    parser.add_argument("--slurm-options", default="", help="extra sbatch options, e.g. '-p gpu --gres=gpu:8'")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        es = ESRun(args)
-    except (ConfigError, OSError, ValueError) as e:
-        print(f"megadiv: invalid ES: {e}", file=sys.stderr)
-        return 2
-    state = es.run()
-    print(f"best mean fitness {state.best_mean:.4f}; centre in {es.out / 'best_mirror_map.json'}", flush=True)
-    return 0

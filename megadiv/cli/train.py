@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megadiv.cli.preflight import preflight
     from megadiv.trainer.lifecycle import RankFailure, RunInterrupted, RunLock
-    from megadiv.trainer.preflight import preflight
 
     under_torchrun = "LOCAL_RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
     if args.nproc and args.nproc > 1 and not under_torchrun:
-        from megadiv.trainer.launch import launch
+        from megadiv.cli.launch import launch
 
         return launch(args.nproc, args.args, run_dir)
     from megadiv.trainer.grpo import train

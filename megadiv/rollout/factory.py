@@ -1,0 +1,35 @@
+"""Which rollout engine a run uses, and building it: the one place that imports every engine.
+
+Engines import the protocol (engine.py), never this module, so nothing below the factory points
+back up to it.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.engine import RolloutEngine
+
+
+def resolve_engine_name(cfg: RolloutConfig) -> str:
+    """``auto`` -> sglang when CUDA and sglang are present (or servers are given), else embedded."""
+    if cfg.engine != "auto":
+        return cfg.engine
+    if cfg.server_urls or cfg.num_servers > 1:
+        return "sglang"
+    return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
+
+
+def make_engine(cfg: RolloutConfig, hf_dir: str, reserved_bytes: int = 0) -> RolloutEngine:
+    """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update.
+    ``reserved_bytes``: GPU memory the trainer allocates after a launched server starts."""
+    if resolve_engine_name(cfg) == "embedded":
+        from megadiv.rollout.embedded import EmbeddedEngine
+        return EmbeddedEngine(hf_dir, cfg)
+    if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
+        from megadiv.rollout.fleet import FleetEngine
+        return FleetEngine(hf_dir, cfg, reserved_bytes)
+    from megadiv.rollout.sglang_engine import SGLangEngine
+    return SGLangEngine(hf_dir, cfg, reserved_bytes)
