@@ -227,3 +227,47 @@ def test_sweep_as_a_slurm_array(tmp_path, monkeypatch):
     cases = {line.split(")")[0].strip(): line for line in text.splitlines() if ") exec " in line}
     for i, (cell, seed) in enumerate(sweep.runs()):
         assert f"run.name={cell.run_name(seed)} " in cases[str(i)] and f"run.seed={seed} " in cases[str(i)]
+
+
+def test_the_papers_comparisons_validate_as_sweeps(tmp_path, monkeypatch):
+    """The ATR cells differ from GRPO only in the clip; the GBMPO cells (with an ES result present)
+    only in the regulariser: every resolved config equals the base outside loss.{clip keys} /
+    loss.{regulariser keys}."""
+    import dataclasses
+
+    from megadiv.config import load_config, to_dict
+    from megadiv.trainer.config import TrainConfig
+
+    def differing(a, b, prefix=""):
+        out = set()
+        for k in a:
+            if isinstance(a[k], dict) and isinstance(b[k], dict):
+                out |= differing(a[k], b[k], f"{prefix}{k}.")
+            elif a[k] != b[k]:
+                out.add(prefix + k)
+        return out
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 16, "num_key_value_heads": 8,
+                                                      "num_hidden_layers": 28}))
+    atr = REPO / "examples" / "atr_grpo"
+    base = [REPO / "examples/atr_grpo/task.yaml", REPO / "examples/gsm8k/models/qwen3-1.7b.yaml",
+            REPO / "examples/gsm8k/algorithms/grpo.yaml"]
+    grpo = to_dict(load_config(TrainConfig, base, [f"model.hf_dir={tmp_path}"]))
+    for overlay, keys in (("clip_grpo.yaml", set()), ("clip_dapo.yaml", {"loss.eps_high"}),
+                          ("atr_grpo.yaml", {"loss.policy_loss"})):   # delta 0.05 is also the default
+        cell = to_dict(load_config(TrainConfig, base + [atr / overlay], [f"model.hf_dir={tmp_path}"]))
+        assert differing(cell, grpo) == keys, overlay
+    monkeypatch.chdir(tmp_path)                                  # mirror_es_best.yaml's relative ES path
+    (tmp_path / "runs" / "gbmpo-es").mkdir(parents=True)
+    (tmp_path / "runs" / "gbmpo-es" / "best_mirror_map.json").write_text(json.dumps([0.01] * 380))
+    gbmpo = REPO / "examples" / "gbmpo"
+    dr = load_config(TrainConfig, [gbmpo / "gsm8k.yaml", gbmpo / "dr_grpo.yaml"], [f"model.hf_dir={tmp_path}"])
+    assert dr == load_config(TrainConfig, [gbmpo / "gsm8k.yaml"], [f"model.hf_dir={tmp_path}"])
+    for overlay, reg in (("prob_l2.yaml", "sampled_prob_l2"), ("neural_mirror.yaml", "sampled_mirror"),
+                         ("mirror_es_best.yaml", "sampled_mirror")):
+        cell = load_config(TrainConfig, [gbmpo / "gsm8k.yaml", gbmpo / overlay], [f"model.hf_dir={tmp_path}"])
+        assert cell.loss.regularizer == reg and cell.loss.regularizer_coef == 1e-4
+        same = dataclasses.replace(cell, loss=dr.loss, run=dr.run)
+        assert same == dr, overlay
+    assert load_config(TrainConfig, [gbmpo / "gsm8k.yaml", gbmpo / "mirror_es_best.yaml"],
+                       [f"model.hf_dir={tmp_path}"]).loss.mirror_map.vector().tolist() == [0.01] * 380
