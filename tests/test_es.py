@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from megadiv.experiments.es import ESSettings, ESState, antithetic, es_gradient, next_state
+from tests._drivers import kill_group_when
 
 REPO = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -118,15 +117,8 @@ def test_es_end_to_end_killed_and_resumed(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(_es_command(tmp_path), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 600
-    try:
-        while not (history.is_file() and history.read_text().count("\n") >= 1):
-            assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
-            assert time.time() < deadline, "the first candidate did not finish in 600 s"
-            time.sleep(0.5)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_group_when(proc, lambda: history.is_file() and history.read_text().count("\n") >= 1, 600,
+                    "the first candidate")
     first = [json.loads(line) for line in history.read_text().splitlines()]
     assert len(first) == 1 and (first[0]["generation"], first[0]["index"]) == (0, 0)
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import yaml
 from megadiv.config import ConfigError
 from megadiv.experiments import significance
 from megadiv.experiments.sweep import Sweep, parse_grid, parse_seeds
+from tests._drivers import kill_group_when
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples/tiny/grpo.yaml")
@@ -153,15 +152,8 @@ def test_tiny_sweep_interrupted_resumed_and_not_retrained(tmp_path):
     proc = subprocess.Popen(_sweep_command(out), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     second = out / "runs" / "c01-eps_high-0.28-s1"
-    deadline = time.time() + 900
-    try:
-        while not (second / "checkpoints" / "latest").is_file():             # a complete checkpoint
-            assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
-            assert time.time() < deadline, "the second run made no checkpoint in 900 s"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_group_when(proc, (second / "checkpoints" / "latest").is_file, 900,   # a complete checkpoint
+                    "a checkpoint of the second run")
     first = out / "runs" / "c00-eps_high-0.2-s1" / "summary.json"
     first_text = first.read_text()
     assert not (second / "summary.json").exists(), "the run finished before the kill: nothing to resume"
