@@ -1,15 +1,10 @@
-"""Markers: ``gpu`` needs CUDA (skipped without it), ``sglang`` needs the CPU SGLang tier
-(skipped when sglang is not importable), ``slow`` marks long tests (run by default)."""
+"""Markers (registered in pytest.ini): ``gpu`` needs CUDA (skipped without it), ``sglang`` needs the
+CPU SGLang tier (skipped when sglang is not importable), ``slow`` leaves a test out of ``make test``
+(``make test-all`` runs it)."""
 import importlib.util
 
 import pytest
 import torch
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
-    config.addinivalue_line("markers", "sglang: needs the SGLang CPU tier (tools/setup_env.sh)")
-    config.addinivalue_line("markers", "slow: takes more than a minute on 2 cores")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -43,8 +43,7 @@ def test_zero3_dp2_olmo2_trains_syncs_the_embedded_engine_and_resumes_bitwise(tm
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.slow
-@pytest.mark.sglang
+@pytest.mark.sglang  # fast tier: the one end-to-end run of the DeepSpeed backend and of the SGLang engine
 @pytest.mark.timeout(1500)
 def test_zero3_dp2_olmo2_with_the_sglang_server(tmp_path):
     """ZeRO-3 gathers the OLMo 2 weights bucket by bucket and pushes them to a real SGLang CPU

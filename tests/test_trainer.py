@@ -67,10 +67,10 @@ def hf_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.tensor_parallel=2"], ["parallel.tensor_parallel=1",
-                                                                    "parallel.pipeline_parallel=2"]],
-                         ids=["tp2", "pp2"])
+# tp2 stays in the fast tier: the one end-to-end run of the megatron backend with the embedded engine
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.tensor_parallel=2"], id="tp2"),
+    pytest.param(["parallel.tensor_parallel=1", "parallel.pipeline_parallel=2"], id="pp2", marks=pytest.mark.slow)])
 def test_two_grpo_steps_end_to_end(tmp_path, layout):
     run_dir = tmp_path / "run"
     out = megadiv_train(run_dir, "grpo.steps=2", "grpo.mask_truncated=true",
