@@ -152,13 +152,13 @@ def test_tiny_sweep_interrupted_resumed_and_not_retrained(tmp_path):
     proc = subprocess.Popen(_sweep_command(out), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     second = out / "runs" / "c01-eps_high-0.28-s1"
-    kill_group_when(proc, (second / "checkpoints" / "latest").is_file, 900,   # a complete checkpoint
+    kill_group_when(proc, (second / "checkpoints" / "latest").is_file, 400,   # a complete checkpoint
                     "a checkpoint of the second run")
     first = out / "runs" / "c00-eps_high-0.2-s1" / "summary.json"
     first_text = first.read_text()
     assert not (second / "summary.json").exists(), "the run finished before the kill: nothing to resume"
 
-    done = subprocess.run(_sweep_command(out), cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(_sweep_command(out), cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "3 run(s) to train" in done.stdout
     assert first.read_text() == first_text                                   # not retrained
