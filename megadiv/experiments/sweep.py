@@ -192,8 +192,9 @@ class Sweep:
             run_dir = self.out / "runs" / cell.run_name(seed)
             summary = run_summary(run_dir)
             value = self.value(summary)
+            # unfinished: started, no summary.json (interrupted, failed or still running; see logs/)
             status = ("finished" if summary is not None else
-                      "interrupted" if (run_dir / "metrics.jsonl").is_file() else "not started")
+                      "unfinished" if (run_dir / "metrics.jsonl").is_file() else "not started")
             if value is not None:
                 per_cell[cell.index][seed] = value
             runs.append({"name": cell.run_name(seed), "cell": cell.index, "overrides": dict(cell.values), "seed": seed,
