@@ -12,7 +12,9 @@ def pytest_collection_modifyitems(config, items):
     no_sglang = pytest.mark.skip(reason="sglang is not installed (run tools/setup_env.sh)")
     have_sglang = importlib.util.find_spec("sglang") is not None
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        # markers, not keywords: keywords also hold the names of the folders above the test (a
+        # checkout in a folder named "gpu" would skip every test)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(no_gpu)
-        if "sglang" in item.keywords and not have_sglang:
+        if item.get_closest_marker("sglang") and not have_sglang:
             item.add_marker(no_sglang)

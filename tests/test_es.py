@@ -13,6 +13,7 @@ import torch
 
 from megadiv.experiments.es import ESSettings, ESState, antithetic, es_gradient, next_state
 from tests._drivers import kill_group_when
+from tests.torchrun import cpu_tier_env
 
 REPO = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -114,7 +115,7 @@ def test_es_end_to_end_killed_and_resumed(tmp_path):
     """Kill the ES (and its candidate) once the first candidate is in history.jsonl; the same
     command resumes at the second candidate and finishes 2 generations x 2 candidates."""
     history = tmp_path / "es" / "history.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_tier_env(OMP_NUM_THREADS="1")   # candidates run --nproc ranks: gloo, even on a GPU machine
     proc = subprocess.Popen(_es_command(tmp_path), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     kill_group_when(proc, lambda: history.is_file() and history.read_text().count("\n") >= 1, 600,

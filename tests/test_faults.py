@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.test_trainer import CONFIG, REPO, TINY, hf_weights, step_records
+from tests.torchrun import cpu_tier_env
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ def train_command(run_dir: Path, *overrides: str, nproc: int = 1) -> list[str]:
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+                                env=cpu_tier_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> tuple[int, str]:
@@ -209,7 +210,7 @@ def test_resume_skips_a_truncated_newest_checkpoint(straight):
     subprocess.run([sys.executable, "-m", "megadiv.cli", "convert", "megatron-to-hf", "--ckpt-dir",
                     str(straight / "checkpoints" / "step_000003"), "--hf-template", str(straight / "sft"),
                     "--out", str(converted)], cwd=REPO, check=True, timeout=600, capture_output=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+                   env=cpu_tier_env(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
     converted_weights = hf_weights_of(converted)
     exported = hf_weights(straight)
     assert converted_weights.keys() == exported.keys()

@@ -7,6 +7,7 @@ still ties two modules together, it only hides the circle until a caller takes t
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megadiv"
@@ -20,6 +21,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@cache
 def package_modules() -> dict[str, Path]:
     """megadiv's modules by dotted name; rollout/sglang_cpu/ holds stand-ins for SGLang's server
     process, which are never imported as part of megadiv."""
@@ -39,6 +41,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
     return {m for m in found if m in modules}
 
 
+@cache
 def import_graph() -> dict[str, set[str]]:
     modules = package_modules()
     return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
@@ -118,3 +121,19 @@ def imports_of_stdlib(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
+
+
+def test_every_verb_is_a_cli_module_with_a_parser_and_run():
+    """Each ``megadiv`` verb maps to megadiv/cli/<module>.py, whose parser builds (what ``megadiv VERB
+    --help`` prints) and which has a ``run``."""
+    import argparse
+    import importlib
+
+    from megadiv.cli import COMMANDS
+
+    for verb, (module_name, _) in COMMANDS.items():
+        assert module_name.startswith("megadiv.cli."), verb
+        module = importlib.import_module(module_name)
+        parser = argparse.ArgumentParser(prog=f"megadiv {verb}")
+        module.add_arguments(parser)
+        assert parser.format_help().startswith(f"usage: megadiv {verb}") and callable(module.run), verb

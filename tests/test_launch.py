@@ -85,3 +85,27 @@ def test_multinode_script_runs_two_nodes_on_loopback(tmp_path):
     # quiet output (docs/cpu.md): the known-harmless dependency warnings are filtered at start-up
     noise = [line for out in outputs for line in out.splitlines() if "Warning:" in line]
     assert not noise, noise
+
+
+def test_more_ranks_than_gpus_on_a_node_is_refused_with_the_reason():
+    """On a CUDA machine each rank takes GPU LOCAL_RANK: 2 ranks on a 1-GPU machine are refused in
+    one line before set_device(1) fails with a CUDA error."""
+    from megadiv.config import ConfigError
+    from megadiv.parallel.distributed import check_gpus_per_node
+
+    with pytest.raises(ConfigError, match=r"2 ranks on this node \(LOCAL_WORLD_SIZE\) but 1 CUDA device\(s\) visible"
+                                          r".*hide CUDA \(CUDA_VISIBLE_DEVICES=\)"):
+        check_gpus_per_node(2, 1)
+    check_gpus_per_node(1, 1)
+    check_gpus_per_node(4, 8)
+
+
+def test_cpu_tier_subprocesses_see_no_cuda():
+    """The environment test_faults, test_es and tests/torchrun.py give their --nproc launches: no
+    CUDA device, so megadiv takes gloo and the CPU path on a GPU machine too."""
+    from tests.torchrun import cpu_tier_env
+
+    probe = "import os, torch; print(torch.cuda.is_available(), torch.cuda.device_count(), repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+    out = subprocess.run([sys.executable, "-c", probe], env=cpu_tier_env(), capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "0", "''"], out.stderr[-2000:]
+    assert cpu_tier_env(OMP_NUM_THREADS="2")["OMP_NUM_THREADS"] == "2"

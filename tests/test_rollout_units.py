@@ -1,6 +1,8 @@
 """Rollout pieces that need no engine: config validation, bucket flattening, the weight manifest,
 the launch command and environment of a CPU server, the probe batch."""
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,16 @@ from megadiv.rollout import (
 )
 from megadiv.rollout.fleet import split_evenly
 from megadiv.rollout.sglang_engine import resolve_sync_method
-from megadiv.rollout.sglang_server import CPU_STANDINS, GpuPlacement, child_env, launch_command, place_server
+from megadiv.rollout.sglang_server import (
+    CPU_STANDINS,
+    GpuPlacement,
+    TrainerMemory,
+    child_env,
+    gather_trainer_memory,
+    launch_command,
+    place_server,
+    served_model_flags,
+)
 from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manifest
 
 
@@ -89,7 +100,7 @@ def test_manifest_and_bucket_check(tmp_path):
         check_bucket([("model.embed_tokens.weight", torch.ones(4, 10))], manifest, "bucket 0")
 
 
-def test_cpu_server_command_and_environment():
+def test_cpu_server_command_and_environment(tmp_path):
     cfg = RolloutConfig(engine="sglang", server_args=("--max-running-requests", "8"))
     cmd = launch_command("/ckpt", 31234, cfg, None)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31234" in cmd
@@ -100,11 +111,38 @@ def test_cpu_server_command_and_environment():
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
     assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
 
-    gpu = launch_command("/ckpt", 31234, dataclasses.replace(cfg, server_tp=2), GpuPlacement(4, False, 0.7))
+    assert cmd[cmd.index("--dtype") + 1] == "float32"        # the CPU tier serves float32
+
+    gpu = launch_command(str(tiny_config(tmp_path)), 31234, dataclasses.replace(cfg, server_tp=2),
+                         GpuPlacement(4, False, 0.7))
     assert gpu[gpu.index("--tp-size") + 1] == "2" and "--device" not in gpu
     assert gpu[gpu.index("--base-gpu-id") + 1] == "4" and gpu[gpu.index("--mem-fraction-static") + 1] == "0.7"
+    assert gpu[gpu.index("--dtype") + 1] == "bfloat16" and gpu[gpu.index("--attention-backend") + 1] == "triton"
+    assert gpu[-2:] == ["--max-running-requests", "8"]           # server_args last: they override
     with pytest.raises(ValueError, match="server_tp"):
         launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), None)
+
+
+def tiny_config(root, **fields):
+    """A config.json like the tiny test models' (float32, hidden 64, 4 heads: head dim 16)."""
+    import json
+
+    (root / "ckpt").mkdir(exist_ok=True)
+    config = {"hidden_size": 64, "num_attention_heads": 4, "torch_dtype": "float32", **fields}
+    (root / "ckpt" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return root / "ckpt"
+
+
+def test_gpu_server_dtype_and_attention_backend(tmp_path):
+    """float32 checkpoints are served in bf16 (SGLang's auto picks float16), bf16/fp16 as stored;
+    head dims other than 64/128/256 get the Triton attention backend."""
+    assert served_model_flags(str(tiny_config(tmp_path))) == ["--dtype", "bfloat16", "--attention-backend", "triton"]
+    assert served_model_flags(str(tiny_config(tmp_path, torch_dtype=None, hidden_size=128))) == \
+        ["--dtype", "bfloat16", "--attention-backend", "triton"]           # no dtype stored: float32
+    qwen3 = tiny_config(tmp_path, hidden_size=4096, num_attention_heads=32, head_dim=128, torch_dtype="bfloat16")
+    assert served_model_flags(str(qwen3)) == ["--dtype", "bfloat16"]
+    assert served_model_flags(str(tiny_config(tmp_path, hidden_size=2048, num_attention_heads=32,
+                                              torch_dtype=None, dtype="float16"))) == ["--dtype", "float16"]
 
 
 def test_launched_server_placement_and_sync_method():
@@ -117,23 +155,74 @@ def test_launched_server_placement_and_sync_method():
     assert own == GpuPlacement(base_gpu_id=4, shares_trainer_gpus=False, mem_fraction_static=0.8)
     assert resolve_sync_method(cfg, own) == "distributed"
     gib = 1 << 30
-    shared = place_server(cfg, trainer_gpus=1, visible_gpus=1, reserved_bytes=14 * gib, gpu_bytes=140 * gib)
+    shared = place_server(cfg, trainer_gpus=1, visible_gpus=1, memory=TrainerMemory((100 * gib,), (10 * gib,)))
     assert shared == GpuPlacement(base_gpu_id=0, shares_trainer_gpus=True, mem_fraction_static=0.7)
     assert resolve_sync_method(cfg, shared) == "tensor"
     assert resolve_sync_method(dataclasses.replace(cfg, sync_method="disk"), shared) == "disk"
     with pytest.raises(ValueError, match="NCCL refuses two ranks of one group on one GPU"):
         resolve_sync_method(dataclasses.replace(cfg, sync_method="distributed"), shared)
     assert resolve_sync_method(cfg, None) == "distributed"  # CPU, or attached servers
-    with pytest.raises(RolloutError, match=r"would get 0\.014.*optimizer state \(110\.0 GiB of 140\.0 GiB\)"):
-        place_server(cfg, trainer_gpus=1, visible_gpus=1, reserved_bytes=110 * gib, gpu_bytes=140 * gib)
+    with pytest.raises(RolloutError, match=r"would get 0\.014.*state on GPU 0 \(110\.0 GiB of 140\.0 GiB free\)"):
+        place_server(cfg, trainer_gpus=1, visible_gpus=1, memory=TrainerMemory((140 * gib,), (110 * gib,)))
     with pytest.raises(RolloutError, match=r"server_tp=2 needs GPUs 0\.\.1; 1 are visible"):
         place_server(dataclasses.replace(cfg, server_tp=2), trainer_gpus=1, visible_gpus=1)
     # a fleet: server i takes the i-th group of server_tp free GPUs, or shares the trainer's i-th group
     tp2 = dataclasses.replace(cfg, server_tp=2)
     assert [place_server(tp2, trainer_gpus=4, visible_gpus=8, index=i).base_gpu_id for i in (0, 1)] == [4, 6]
-    assert place_server(tp2, trainer_gpus=8, visible_gpus=8, index=1) == GpuPlacement(2, True, 0.8)
+    assert place_server(tp2, trainer_gpus=8, visible_gpus=8, index=1) == GpuPlacement(2, True, 0.8)   # none measured
     with pytest.raises(RolloutError, match=r"rollout server 4 .* needs GPUs 8\.\.9; 8 are visible"):
         place_server(tp2, trainer_gpus=8, visible_gpus=8, index=4)
+
+
+def sglang_sizes(fraction: float, free: list[int], weights: int) -> list[int]:
+    """What SGLang 0.5.23 leaves free on each of a server's TP GPUs after its weights and KV cache:
+    pre = the least free memory of its GPUs at start (bootstrap.measure_pre_model_load_memory,
+    distributed min); KV = min(free after loading) - pre x (1 - fraction)
+    (kv_cache_configurator._profile_available_bytes), the same on every GPU."""
+    pre = min(free)
+    kv = min(f - weights for f in free) - pre * (1 - fraction)
+    assert kv > 0
+    return [f - weights - kv for f in free]
+
+
+def test_colocated_memory_share_follows_sglangs_formula(monkeypatch):
+    """A server at TP=2 on two trainer GPUs holding unequal memory (GPU 1 has 20 GiB less free; its
+    rank's optimizer state is smaller): after SGLang sizes itself with the share megadiv computes and
+    each trainer rank allocates its optimizer state, every GPU keeps (1 - F) of what was free for
+    activations, the binding GPU exactly. Free memory comes from torch.cuda.mem_get_info (faked)."""
+    gib = 1 << 30
+    cfg = RolloutConfig(engine="sglang", mem_fraction_static=0.8, server_tp=2)
+    free, total = [100 * gib, 80 * gib], 141 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], total))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    measured = gather_trainer_memory(reserved_bytes=10 * gib)       # one process: no group to gather over
+    assert measured == TrainerMemory((100 * gib,), (10 * gib,))
+    memory = TrainerMemory(tuple(free), (10 * gib, 6 * gib))
+    placed = place_server(cfg, trainer_gpus=2, visible_gpus=2, memory=memory)
+    assert placed.shares_trainer_gpus and placed.base_gpu_id == 0
+    left = [f - r for f, r in zip(sglang_sizes(placed.mem_fraction_static, free, weights=3 * gib), memory.reserved_bytes)]
+    need = [(1 - cfg.mem_fraction_static) * f for f in free]
+    assert all(lft >= n for lft, n in zip(left, need)), (left, need)
+    assert min(lft - n for lft, n in zip(left, need)) < 1e-4 * free[1]   # the binding GPU: exact up to rounding
+    # the former base, the GPU's total memory, under-reserved the optimizer state by free / total
+    one = TrainerMemory((100 * gib,), (10 * gib,))
+    old = cfg.mem_fraction_static - 10 * gib / total
+    assert sglang_sizes(old, [100 * gib], gib)[0] - 10 * gib < 0.2 * 100 * gib
+    new = place_server(dataclasses.replace(cfg, server_tp=1), trainer_gpus=1, visible_gpus=1, memory=one)
+    assert new.mem_fraction_static == pytest.approx(0.7, abs=1e-4)
+
+
+@pytest.mark.sglang
+def test_colocated_tp_server_turns_sglangs_memory_balance_check_into_a_warning():
+    """SGLang refuses a TP server whose GPUs' free memory differs by over 10% (its check is on by
+    default); beside the trainer it is sized against the least free GPU, so the check is off there.
+    Read by SGLang's own settings module in the environment the server gets."""
+    read = "from sglang.srt.environ import envs; print(envs.SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK.get())"
+    for shares, expected in ((True, "False"), (False, "True")):
+        env = child_env(cuda=True, shares_trainer_gpus=shares)
+        out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip().splitlines()[-1] == expected, out.stderr[-2000:]
 
 
 def test_a_server_launched_by_a_trainer_rank_does_not_join_its_rendezvous(monkeypatch):

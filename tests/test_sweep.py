@@ -16,6 +16,7 @@ from megadiv.config import ConfigError
 from megadiv.experiments import significance
 from megadiv.experiments.sweep import Sweep, parse_grid, parse_seeds
 from tests._drivers import kill_group_when
+from tests.torchrun import cpu_tier_env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "examples/tiny/grpo.yaml")
@@ -148,7 +149,7 @@ def test_tiny_sweep_interrupted_resumed_and_not_retrained(tmp_path):
     checkpoint; the same command resumes that run from it, does not retrain the first, and writes
     results.json (runs, cells, tests), table.md and sweep.png; a third call trains nothing."""
     out = tmp_path / "sweep"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_tier_env(OMP_NUM_THREADS="1")   # the runs use gloo and the CPU path, even on a GPU machine
     proc = subprocess.Popen(_sweep_command(out), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     second = out / "runs" / "c01-eps_high-0.28-s1"

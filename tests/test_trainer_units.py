@@ -84,13 +84,29 @@ LAYOUTS = {
 }
 
 
+# TP=2 x DP=2 is a 4-rank launch (~75 s on 2 cores): make test-all runs it; make test the 1- and 2-rank layouts
+FOUR_RANKS = pytest.mark.slow
+
+
+class LayoutRuns(dict):
+    """{layout: per-rank results}: one torchrun launch per layout, every run inside it, made when a
+    test first asks for the layout (so that make test never launches the slow ones)."""
+
+    def __init__(self, hf_dir: str):
+        super().__init__()
+        self.hf_dir = hf_dir
+
+    def __missing__(self, name: str):
+        tp, pp, nproc, extra = LAYOUTS[name]
+        self[name] = run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=600,
+                                  args={"tp": tp, "pp": pp, "hf_dir": self.hf_dir, **extra,
+                                        "runs": [SGD, ADAM] + ([REGULARIZED] if pp == 1 else [])})
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def layout_runs(tiny_model):
-    """One torchrun launch per layout, every run inside it: {layout: per-rank results}."""
-    return {name: run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=600,
-                               args={"tp": tp, "pp": pp, "hf_dir": tiny_model, **extra,
-                                     "runs": [SGD, ADAM] + ([REGULARIZED] if pp == 1 else [])})
-            for name, (tp, pp, nproc, extra) in LAYOUTS.items()}
+    return LayoutRuns(tiny_model)
 
 
 # Tolerances (float32 weights, float64 metric reductions): the layouts sum the same terms in other
@@ -115,7 +131,7 @@ def _assert_same_training(run, ref, name, keys, optimizer):
 
 
 @pytest.mark.parametrize("run", [SGD, ADAM], ids=["sgd-token-mean", "adam-seq-mean-token-mean"])
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", pytest.param("tp2dp2", marks=FOUR_RANKS)])
 def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
     """TP=2, PP=2, DP=2 (TP=1) and TP=2 x DP=2 each train like TP=1 x DP=1 on the same global batch:
     the same losses, gradient norms, metrics and weights after three steps (per-token loss scaling
@@ -133,19 +149,23 @@ def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
                                "ratio/max", "ratio/min", "ref/k3"), optimizer=run[1])
 
 
-def test_the_layouts_are_what_they_claim(layout_runs):
+@pytest.mark.parametrize("layouts", [["tp1", "tp2", "pp2", "dp2"], pytest.param(["tp2dp2"], marks=FOUR_RANKS)],
+                         ids=["up-to-2-ranks", "tp2dp2"])
+def test_the_layouts_are_what_they_claim(layout_runs, layouts):
     """Adam runs megatron's distributed optimizer (sharded over DP; at DP=1 too, for one checkpoint
     format), SGD the plain one; the uneven stage split and the recompute settings reach megatron."""
-    everywhere = [r for runs in layout_runs.values() for r in runs]
+    everywhere = [r for name in layouts for r in layout_runs[name]]
     assert {r[ADAM]["optimizer"] for r in everywhere} == {"DistributedOptimizer"}
     assert {r[SGD]["optimizer"] for r in everywhere} == {"FP32Optimizer"}
-    assert [r[SGD]["layers_here"] for r in layout_runs["pp2"]] == [2, 1]
-    assert {r[SGD]["recompute"] for r in layout_runs["dp2"]} == {("selective", None, None)}
-    assert {r[SGD]["recompute"] for r in layout_runs["tp2dp2"]} == {("full", "uniform", 1)}
-    assert layout_runs["tp1"][0][SGD]["recompute"] == (None, None, None)
+    recompute = {"tp1": (None, None, None), "dp2": ("selective", None, None), "tp2dp2": ("full", "uniform", 1)}
+    for name in layouts:
+        if name == "pp2":
+            assert [r[SGD]["layers_here"] for r in layout_runs[name]] == [2, 1]
+        if name in recompute:
+            assert {r[SGD]["recompute"] for r in layout_runs[name]} == {recompute[name]}, name
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2", "tp2dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", pytest.param("tp2dp2", marks=FOUR_RANKS)])
 def test_full_vocabulary_regularizer_in_training_does_not_depend_on_the_layout(layout_runs, layout):
     """A full-vocabulary ProbL2 regulariser on the actor's and the reference's logit shards (the
     reference logits recomputed per micro-batch and consumed) trains exactly like at TP=1 x DP=1."""

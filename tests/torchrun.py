@@ -33,6 +33,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_tier_env(**extra: str) -> dict[str, str]:
+    """The environment of a CPU-tier subprocess (a torchrun, ``megadiv train --nproc N``): this
+    repository first on PYTHONPATH, one OpenMP thread unless set, and no CUDA device, so that
+    megadiv picks gloo and the CPU code path on a GPU machine too (there, N ranks on one visible
+    GPU would fail in ``torch.cuda.set_device(1)``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return {**env, **extra}
+
+
 def run_torchrun(target: str, nproc: int, timeout_s: float = 300.0, args: dict | None = None,
                  cuda: bool = False) -> list:
     """Run ``target`` ("tests.dist.module:function") on ``nproc`` ranks; return per-rank results.
@@ -43,11 +55,10 @@ def run_torchrun(target: str, nproc: int, timeout_s: float = 300.0, args: dict |
     with tempfile.TemporaryDirectory(prefix="megadiv-dist-") as tmp:
         tmp = Path(tmp)
         (tmp / "args.pkl").write_bytes(pickle.dumps(args or {}))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-        env.setdefault("OMP_NUM_THREADS", "1")
-        if not cuda:
-            env["CUDA_VISIBLE_DEVICES"] = ""
+        env = cpu_tier_env()
+        if cuda:   # the gpu tests: the GPUs this process sees
+            env.pop("CUDA_VISIBLE_DEVICES")
+            env.update({k: v for k, v in os.environ.items() if k == "CUDA_VISIBLE_DEVICES"})
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nproc_per_node={nproc}", "--nnodes=1",

@@ -6,8 +6,8 @@ First the wheels carried in ``.whl/`` (tools/gpu_wheels.sh) are installed into a
 that every item's PYTHONPATH starts with; then each item runs in its own process (new session,
 under coreutils ``timeout`` with its own budget, the whole group killed afterwards), so that an
 item that fails, hangs or crashes never stops the others or the report. Budgets sum to less than
-the run's budget (default 480 s: the 8 minutes a device call is planned around), and an item
-never gets more than what is left of it.
+the run's budget (default 360 s: with a machine's start-up, an immediate retry still fits a
+15-minute device allowance), and an item never gets more than what is left of it.
 
 Items (docs/performance.md, "GPU verification", says what each measures):
   gpu_tests          pytest -m gpu: passed / failed / skipped counts, failures, skip reasons
@@ -21,6 +21,10 @@ Items (docs/performance.md, "GPU verification", says what each measures):
                      parameters: training step time and MFU = 6 N tokens / time / 989 TFLOP/s
   grpo_demo          3 GRPO steps of the tiny demo (examples/tiny/grpo.yaml, TP=1) on the GPU
                      with the embedded engine, through ``megadiv train``
+  deepspeed_bf16     the DeepSpeed policy in bf16 at ZeRO-0 and ZeRO-3, three Adam steps each of
+                     the same batch and GRPO loss (tests/dist/deepspeed_policy.py:bf16_stages)
+  padding_invariance one SGD step with the model input padded to a multiple of 16 (FP8's rule)
+                     against none, megatron's local layers (tests/dist/device_placement.py)
   transformer_engine, sglang_cuda
                      whether those packages import here; they cannot be carried (too large), so
                      on the verification machine they report ``skipped: not carried``
@@ -28,11 +32,12 @@ Without CUDA every GPU item is ``skipped`` with its reason. ``--smoke`` runs the
 shapes on whatever device there is (a CPU too, except no_host_sync), to test this script's own
 code; its figures mean nothing.
 
-Report ``OUT_DIR/gpu_check.json`` (schema 1)::
+Report ``OUT_DIR/gpu_check.json`` (schema 2)::
 
-    {"schema": 1, "started": ISO time, "wall_s": s, "budget_s": s, "smoke": bool,
+    {"schema": 2, "started": ISO time, "wall_s": s, "budget_s": s, "smoke": bool,
      "environment": {python, torch, cuda, gpu, packages, ...},
      "wheels": {"status": ..., "reason": ..., "figures": {wheels, target, bytes}},
+     "unverified": [{"feature": str, "why": str}, ...]   # GPU paths this run cannot reach
      "items": {NAME: {"status": "passed" | "failed" | "skipped", "reason": str | null,
                       "figures": {...}, "samples": {...}, "wall_s": s, "budget_s": s,
                       "log_tail": str (failed items only)}}}
@@ -43,6 +48,7 @@ did, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import importlib.metadata
 import importlib.util
@@ -60,14 +66,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path(tempfile.gettempdir()) / "megadiv-gpu-site"   # where the carried wheels are installed
-SCHEMA = 1
-DEFAULT_BUDGET_S = 480
-INSTALL_BUDGET_S = 30             # pip from local wheels: seconds
-SMOKE_BUDGET_SCALE = 4           # --smoke on a busy 2-core CPU: imports alone take a minute
+SCHEMA = 2
+DEFAULT_BUDGET_S = 360
+INSTALL_BUDGET_S = 20             # pip from 12 local wheels: seconds
+SMOKE_BUDGET_SCALE = 8           # --smoke on a busy 2-core CPU: imports alone take a minute or two
 H200_BF16_DENSE_FLOPS = 989e12   # NVIDIA H200 SXM datasheet: dense bf16 tensor core (1,979 with sparsity)
 
 # Why a package cannot travel with a device call (at most 64 MiB of files in all).
 NOT_CARRIED = {
+    "deepspeed": "not carried: DeepSpeed is not importable (run tools/gpu_wheels.sh here and carry .whl)",
     "transformer_engine": "not carried: Transformer Engine's CUDA 13 core wheel is 276 MB, over the 64 MiB "
                           "a device call carries (the FP8 test needs it)",
     "sglang": "not carried: SGLang needs its CUDA kernels (sgl-kernel, a 373 MB wheel) and torch 2.14.1; the "
@@ -85,15 +92,40 @@ class Item:
     smoke_on_cpu: bool = True  # whether --smoke runs it without CUDA
 
 
-# Budgets: 440 s in all, plus at most 30 s of wheel installation, inside the default 480 s.
+# Budgets: 335 s in all, plus at most 20 s of wheel installation and 5 s for the report, inside
+# the default 360 s.
 ITEMS = [
-    Item("gpu_tests", 130, ("cuda",)),
-    Item("divergence_bench", 75, ("megatron", "cuda")),
-    Item("no_host_sync", 35, ("cuda",), smoke_on_cpu=False),
-    Item("gpt_step_mfu", 75, ("megatron", "cuda")),
-    Item("grpo_demo", 105, ("megatron", "cuda")),
-    Item("transformer_engine", 10, ("transformer_engine", "cuda"), smoke_on_cpu=False),
-    Item("sglang_cuda", 10, ("sglang", "cuda"), smoke_on_cpu=False),
+    Item("gpu_tests", 85, ("cuda",)),
+    Item("divergence_bench", 45, ("megatron", "cuda")),
+    Item("no_host_sync", 25, ("cuda",), smoke_on_cpu=False),
+    Item("gpt_step_mfu", 50, ("megatron", "cuda")),
+    Item("grpo_demo", 60, ("megatron", "cuda")),
+    Item("deepspeed_bf16", 40, ("deepspeed", "cuda")),
+    Item("padding_invariance", 20, ("megatron", "cuda")),
+    Item("transformer_engine", 5, ("transformer_engine", "cuda"), smoke_on_cpu=False),
+    Item("sglang_cuda", 5, ("sglang", "cuda"), smoke_on_cpu=False),
+]
+
+# What no run of this script on the verification machine (one H200, its own image, 64 MiB of
+# carried files) can reach, and why; items skipped in a run are added to the report's list.
+UNVERIFIED = [
+    ("Transformer Engine layer spec and FP8 GEMMs (tests/test_models_gpu.py, the FP8 cases of "
+     "tests/test_policy_gpu.py)", "Transformer Engine is not in the image and its CUDA 13 core wheel is 276 MB, "
+     "over the 64 MiB a device call carries"),
+    ("packed sequences (grpo.pack_sequences: THD with Transformer Engine attention, the packed case of "
+     "tests/test_token_budget_gpu.py)", "needs Transformer Engine (above)"),
+    ("SGLang server on a GPU: launch flags (--dtype, --attention-backend), the colocated memory share, "
+     "CUDA-IPC weight sync (tests/test_weight_sync_gpu.py)", "SGLang needs sgl-kernel (373 MB) and torch 2.14.1; "
+     "the image has torch 2.11 and a call carries 64 MiB"),
+    ("NCCL weight broadcast to SGLang servers (rollout.sync_method distributed)",
+     "needs SGLang on the GPU (above) and a second GPU"),
+    ("TP, PP or DP > 1 over NCCL, sequence parallelism, the distributed optimizer across GPUs",
+     "the machine has one GPU"),
+    ("multi-node launch on GPUs (examples/launch/multinode.sh, slurm.sbatch)", "one machine, no SLURM"),
+    ("apex fused kernels", "apex is not on PyPI and not in the image (a CUDA source build)"),
+    ("the GPU lock's versions (requirements-gpu.txt: torch 2.14.1, Transformer Engine 2.11, sglang 0.5.23) "
+     "and docker/Dockerfile", "the checks run on the image's torch 2.11 with the carried wheels; no Docker or "
+     "registry there"),
 ]
 
 
@@ -333,9 +365,9 @@ def item_gpt_step_mfu(work: Path, smoke: bool) -> dict:
 
 def item_grpo_demo(work: Path, smoke: bool) -> dict:
     """``megadiv train examples/tiny/grpo.yaml`` with overrides: TP=1 (one GPU), 3 GRPO steps,
-    a 50-step supervised warm start (the demo's 250 only raise the starting accuracy)."""
+    a 20-step supervised warm start (the demo's 250 only raise the starting accuracy)."""
     runs = work / "runs"
-    overrides = {"parallel.tensor_parallel": 1, "grpo.steps": 3, "warm_start.sft_steps": 50, "eval.every": 0,
+    overrides = {"parallel.tensor_parallel": 1, "grpo.steps": 3, "warm_start.sft_steps": 20, "eval.every": 0,
                  "checkpoint.every": 0, "run.output_dir": runs, "model.hf_dir": runs / "tiny-grpo" / "init"}
     if smoke:
         overrides |= {"grpo.steps": 1, "warm_start.sft_steps": 2, "warm_start.sft_batch_size": 16,
@@ -360,6 +392,69 @@ def item_grpo_demo(work: Path, smoke: bool) -> dict:
     return {"figures": figures, "samples": samples}
 
 
+def _tiny_model(work: Path) -> str:
+    """The CPU tests' tiny Qwen2 (hidden 64, 3 layers, head dim 16, vocab 301), written to ``work``."""
+    from megadiv.models.tiny import make_tiny_model
+
+    return str(make_tiny_model(work / "qwen2", "qwen2", tokenizer="bpe", vocab=301, hidden=64, heads=4, kv_heads=2,
+                               ffn=128, layers=3))
+
+
+def _rank_body(work: Path, target: str, args: dict) -> dict:
+    """``target`` on one rank under tests/torchrun.py (a fresh torchrun in a session of its own:
+    kill_item_processes takes it down with the item), on the GPU when there is one."""
+    from tests.torchrun import run_torchrun
+
+    (result,) = run_torchrun(target, 1, timeout_s=600, args=args, cuda=device().type == "cuda")
+    return result
+
+
+def item_deepspeed_bf16(work: Path, smoke: bool) -> dict:
+    """DeepSpeed bf16 at ZeRO-0 and ZeRO-3 (tests/test_deepspeed_policy.py runs the same body on a
+    CPU against float32): each step applied and finite, weights bf16 on the device, per-step
+    figures, and how far ZeRO-3 lies from ZeRO-0 (at ZeRO-0 DeepSpeed keeps no fp32 master
+    weights in bf16, docs/deepspeed.md, so after the first step they part)."""
+    res = _rank_body(work, "tests.dist.deepspeed_policy:bf16_stages", {"hf_dir": _tiny_model(work)})
+    figures, problems = {}, []
+    for stage, run in res.items():
+        steps = run["steps"]
+        figures[f"zero{stage}"] = {"device": run["device"], "dtypes": run["dtypes"], "wall_s": run["wall_s"],
+                                   "loss": [s["loss/total"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
+                                   "skipped": [s["skipped"] for s in steps]}
+        if run["dtypes"] != ["torch.bfloat16"] or run["device"].split(":")[0] != device().type:
+            problems.append(f"ZeRO-{stage}: weights {run['dtypes']} on {run['device']}")
+        if any(s["skipped"] or s["loss/total"] != s["loss/total"] or s["grad_norm"] != s["grad_norm"] for s in steps):
+            problems.append(f"ZeRO-{stage}: a step was skipped or not finite")
+    zero0, zero3 = res[0], res[3]
+    figures["first_step_loss_zero3_minus_zero0"] = zero3["steps"][0]["loss/total"] - zero0["steps"][0]["loss/total"]
+    figures["weights_max_abs_diff_zero3_vs_zero0"] = max(float((w - zero0["weights"][k]).abs().max())
+                                                         for k, w in zero3["weights"].items())
+    if problems:
+        return {"status": "failed", "reason": "; ".join(problems), "figures": figures}
+    return {"figures": figures}
+
+
+def item_padding_invariance(work: Path, smoke: bool) -> dict:
+    """One SGD step with the model input padded to a multiple of 16 against none, megatron's
+    local layers, float32 (tests/test_device_placement.py on a CPU: log-probs 1e-6, gradients
+    1e-5 relative). Tolerances here are the CPU test's, not yet tried on a GPU."""
+    res = _rank_body(work, "tests.dist.device_placement:padding_invariance",
+                     {"hf_dir": _tiny_model(work), "model": {"transformer_impl": "local"}})
+    plain, padded = res[1], res[16]
+    logp = float((padded["logp"].double() - plain["logp"].double()).abs().max())
+    grad = max(float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+               for a, b in zip(padded["grads"], plain["grads"]))
+    keys = ("loss/total", "loss/policy", "loss/kl", "entropy")
+    metric = max(abs(padded["metrics"][k] - plain["metrics"][k]) / max(abs(plain["metrics"][k]), 1e-7) for k in keys)
+    figures = {"seq_len": plain["seq_len"], "multiple": 16, "logp_max_abs_diff": logp,
+               "grad_max_rel_diff": grad, "metric_max_rel_diff": metric}
+    if logp > 1e-6 or grad > 1e-5 or metric > 1e-6:
+        return {"status": "failed", "reason": f"padding changed the step: log-probs {logp:.2e}, gradients "
+                                              f"{grad:.2e}, metrics {metric:.2e} (CPU tolerances 1e-6 / 1e-5 / 1e-6)",
+                "figures": figures}
+    return {"figures": figures}
+
+
 def _import_check(module: str):
     def run(work: Path, smoke: bool) -> dict:
         importlib.import_module(module)
@@ -378,6 +473,8 @@ RUNNERS = {
     "no_host_sync": item_no_host_sync,
     "gpt_step_mfu": item_gpt_step_mfu,
     "grpo_demo": item_grpo_demo,
+    "deepspeed_bf16": item_deepspeed_bf16,
+    "padding_invariance": item_padding_invariance,
     "transformer_engine": _import_check("transformer_engine"),
     "sglang_cuda": _import_check("sglang"),
 }
@@ -430,6 +527,7 @@ def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
         log.write(f"\n===== {item.name} (budget {timeout_s:.0f} s): {' '.join(cmd)}\n")
         log.flush()
         tail_start = log.tell()
+        before = _descendants()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -437,8 +535,7 @@ def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
         except subprocess.TimeoutExpired:
             rc = 124
         finally:
-            _kill_group(proc.pid)    # torchrun ranks, pytest children, servers: nothing outlives the item
-            proc.wait()
+            kill_item_processes(proc, before)   # torchrun ranks, pytest children, servers: nothing outlives it
         log.flush()
         if rc in (124, 137):
             out = {"status": "failed", "reason": f"timed out after {timeout_s:.0f} s (its budget)"}
@@ -454,11 +551,40 @@ def run_item(item: Item, timeout_s: float, log, env: dict, smoke: bool) -> dict:
     return out
 
 
-def _kill_group(pid: int) -> None:
+def become_subreaper() -> None:
+    """Make this process the Linux child subreaper of its descendants: an orphan (torchrun, which
+    tests/torchrun.py starts in a session of its own, after the budget killed the item that
+    started it) is re-parented here instead of to init, so kill_item_processes still finds it."""
+    if sys.platform.startswith("linux"):
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def kill_item_processes(proc: subprocess.Popen, before: set[int]) -> None:
+    """SIGKILL the item's process group, and every other descendant of this process that was not
+    there before the item started (``before``): processes started in a new session (torchrun and
+    its ranks, servers) are outside the item's group but still below this process, directly or,
+    orphaned, through become_subreaper. They hold the GPU for the next item otherwise."""
+    import psutil
+
+    strays = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for p in strays:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(strays, timeout=10)   # reaps those re-parented here
 
 
 def environment(cuda: bool) -> dict:
@@ -509,7 +635,8 @@ def run_all(out_dir: Path, only: list[str] | None, budget_s: float, smoke: bool)
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     report = {"schema": SCHEMA, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "wall_s": None, "budget_s": budget_s, "smoke": smoke, "environment": {}, "wheels": {}, "items": {}}
+              "wall_s": None, "budget_s": budget_s, "smoke": smoke, "environment": {}, "wheels": {},
+              "unverified": [{"feature": feature, "why": why} for feature, why in UNVERIFIED], "items": {}}
     wheels = install_wheels(REPO / ".whl", cuda, min(INSTALL_BUDGET_S, budget_s))
     report["wheels"] = wheels
     report["environment"] = environment(cuda)
@@ -541,6 +668,8 @@ def run_all(out_dir: Path, only: list[str] | None, budget_s: float, smoke: bool)
                       "wall_s": round(time.monotonic() - item_start, 2), "budget_s": budget,
                       **({"log_tail": result["log_tail"]} if "log_tail" in result else {})}
             report["items"][item.name] = result
+            if result["status"] == "skipped":
+                report["unverified"].append({"feature": f"item {item.name}", "why": result["reason"]})
             report["wall_s"] = round(time.monotonic() - started, 2)
             write_report(out_dir, report)
             print(f"[gpu_check] {item.name}: {result['status']}"
@@ -565,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_item_here(args.item, args.result, args.work, args.smoke)
     if args.out_dir is None:
         parser.error("OUT_DIR is required")
+    become_subreaper()
     only = None
     if args.only:
         only = [name.strip() for name in args.only.split(",") if name.strip()]

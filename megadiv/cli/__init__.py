@@ -1,10 +1,11 @@
-"""``megadiv`` command line: one subcommand per verb, one module per verb in this package.
+"""``megadiv`` command line: one subcommand per verb.
 
-A verb module (``megadiv/cli/<verb>.py``) holds the verb's argument parsing, ``add_arguments(parser)``,
-and a thin ``run(args) -> int`` that calls library code; no library module parses arguments. A
-verb module is imported only when its verb is used, so ``megadiv --help`` stays fast. The
-``--nproc`` launcher (launch.py) and the pre-launch checks (preflight.py) sit beside ``train``.
-``python -m megadiv.cli VERB ...`` (what torchrun runs on every rank) is the same as ``megadiv VERB ...``.
+Each verb has one module in this package (``megadiv/cli/<verb>.py``) holding its argument parsing,
+``add_arguments(parser)``, and a thin ``run(args) -> int`` that calls library code; no library
+module parses arguments. A verb module is imported only when its verb is used, so ``megadiv --help``
+stays fast. The ``--nproc`` launcher (launch.py) and the pre-launch checks (preflight.py) sit
+beside ``train``. ``python -m megadiv.cli VERB ...`` (what torchrun runs on every rank) is
+``megadiv VERB ...``.
 """
 from __future__ import annotations
 

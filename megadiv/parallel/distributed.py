@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megadiv.config import ParallelConfig
+from megadiv.config import ConfigError, ParallelConfig
 from megadiv.parallel import cpu_compat
 
 
@@ -48,6 +48,17 @@ class ParallelInfo:
 _INFO: ParallelInfo | None = None
 
 
+def check_gpus_per_node(local_world_size: int, visible_gpus: int) -> None:
+    """One GPU per rank: torchrun's ranks on this node use GPUs 0 .. LOCAL_WORLD_SIZE - 1, and a
+    rank without one would fail in torch.cuda.set_device with a CUDA error (NCCL also refuses two
+    ranks on one GPU)."""
+    if local_world_size > visible_gpus:
+        raise ConfigError(
+            f"{local_world_size} ranks on this node (LOCAL_WORLD_SIZE) but {visible_gpus} CUDA device(s) visible: "
+            f"one GPU per rank; launch at most {visible_gpus} ranks per node, or hide CUDA "
+            f"(CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+
+
 def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
     """Open the process groups for ``cfg`` (idempotent) and seed every RNG megatron uses.
 
@@ -65,6 +76,7 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
 
     use_cuda = torch.cuda.is_available()
     if use_cuda:
+        check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -42,9 +42,9 @@ class RolloutConfig:
     server_tp: int = 1
     """Tensor-parallel size of a launched server (GPU only; CPU servers run TP=1)."""
     mem_fraction_static: float = 0.8
-    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only). A server
-    colocated with the trainer gets this minus the trainer's optimizer state; (1 - this) of the
-    GPU stays free for the trainer's activations (docs/rollout.md)."""
+    """GPU memory fraction a launched server reserves for weights + KV cache (GPU only). Beside the
+    trainer: the share of the memory free at its start for the server plus the trainer's optimizer
+    state to come; (1 - this) of it stays free for the trainer's activations (docs/rollout.md)."""
     server_args: tuple[str, ...] = ()
     """Extra ``sglang.launch_server`` flags for a launched server, e.g. ("--max-running-requests", "64")."""
     log_dir: str | None = None

@@ -6,11 +6,15 @@ back up to it.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutEngine
+
+if TYPE_CHECKING:
+    from megadiv.rollout.sglang_server import TrainerMemory
 
 
 def resolve_engine_name(cfg: RolloutConfig) -> str:
@@ -22,14 +26,14 @@ def resolve_engine_name(cfg: RolloutConfig) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
 
 
-def make_engine(cfg: RolloutConfig, hf_dir: str, reserved_bytes: int = 0) -> RolloutEngine:
+def make_engine(cfg: RolloutConfig, hf_dir: str, trainer_memory: TrainerMemory | None = None) -> RolloutEngine:
     """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update.
-    ``reserved_bytes``: GPU memory the trainer allocates after a launched server starts."""
+    ``trainer_memory``: the trainer's GPU memory on this node, for servers launched beside it."""
     if resolve_engine_name(cfg) == "embedded":
         from megadiv.rollout.embedded import EmbeddedEngine
         return EmbeddedEngine(hf_dir, cfg)
     if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
         from megadiv.rollout.fleet import FleetEngine
-        return FleetEngine(hf_dir, cfg, reserved_bytes)
+        return FleetEngine(hf_dir, cfg, trainer_memory)
     from megadiv.rollout.sglang_engine import SGLangEngine
-    return SGLangEngine(hf_dir, cfg, reserved_bytes)
+    return SGLangEngine(hf_dir, cfg, trainer_memory)

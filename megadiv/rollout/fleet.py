@@ -47,6 +47,7 @@ from megadiv.rollout.engine import (
     check_prompts,
 )
 from megadiv.rollout.sglang_engine import SGLangEngine
+from megadiv.rollout.sglang_server import TrainerMemory
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ _END = object()
 class FleetEngine:
     """The rollout protocol over one :class:`SGLangEngine` per server (see the module docstring)."""
 
-    def __init__(self, hf_dir: str, cfg: RolloutConfig, reserved_bytes: int = 0):
-        """``reserved_bytes``: as for one SGLangEngine; launched server i gets its own GPUs
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, trainer_memory: TrainerMemory | None = None):
+        """``trainer_memory``: as for one SGLangEngine; launched server i gets its own GPUs
         (``--base-gpu-id``, sglang_server.place_server with index i)."""
         if cfg.server_urls:
             configs = [dataclasses.replace(cfg, server_urls=(url,)) for url in cfg.server_urls]
@@ -68,7 +69,7 @@ class FleetEngine:
             configs = [dataclasses.replace(cfg, num_servers=1) for _ in range(cfg.num_servers)]
         self.cfg = cfg
         self._pool = ThreadPoolExecutor(max_workers=2 * len(configs), thread_name_prefix="fleet")
-        futures = [self._pool.submit(SGLangEngine, hf_dir, c, reserved_bytes, i) for i, c in enumerate(configs)]
+        futures = [self._pool.submit(SGLangEngine, hf_dir, c, trainer_memory, i) for i, c in enumerate(configs)]
         wait(futures)
         started = [f.result() for f in futures if f.exception() is None]
         failed = [f.exception() for f in futures if f.exception() is not None]

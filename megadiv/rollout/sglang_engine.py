@@ -45,7 +45,7 @@ from megadiv.rollout.engine import (
     WeightSyncError,
     check_prompts,
 )
-from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, place_server
+from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, TrainerMemory, place_server
 from megadiv.rollout.weight_sync import (
     BroadcastGroup,
     Peer,
@@ -61,11 +61,12 @@ log = logging.getLogger(__name__)
 
 
 class SGLangEngine:
-    def __init__(self, hf_dir: str, cfg: RolloutConfig, reserved_bytes: int = 0, server_index: int = 0):
-        """``reserved_bytes``: GPU memory the trainer will still allocate on its first GPU after a
-        launched server starts; ``server_index``: this server's place in a fleet (see
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, trainer_memory: TrainerMemory | None = None,
+                 server_index: int = 0):
+        """``trainer_memory``: the trainer's GPUs on this node, free and still to be allocated,
+        for a server launched beside it; ``server_index``: this server's place in a fleet (see
         sglang_server.place_server)."""
-        self.gpu = self._placement(cfg, reserved_bytes, server_index)
+        self.gpu = self._placement(cfg, trainer_memory, server_index)
         self.sync_method = resolve_sync_method(cfg, self.gpu)
         if self.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, cfg.server_urls))):
             raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA and servers on "
@@ -266,14 +267,13 @@ class SGLangEngine:
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _placement(cfg: RolloutConfig, reserved_bytes: int, index: int) -> GpuPlacement | None:
+    def _placement(cfg: RolloutConfig, memory: TrainerMemory | None, index: int) -> GpuPlacement | None:
         """The GPUs of a server launched here (None: attached servers, or no CUDA). The trainer's
         ranks on this node hold GPUs [0, LOCAL_WORLD_SIZE) (torchrun)."""
         if cfg.server_urls or not torch.cuda.is_available():
             return None
         return place_server(cfg, trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                            visible_gpus=torch.cuda.device_count(), reserved_bytes=reserved_bytes,
-                            gpu_bytes=torch.cuda.get_device_properties(0).total_memory, index=index)
+                            visible_gpus=torch.cuda.device_count(), memory=memory, index=index)
 
     def _check_not_paused(self) -> None:
         if self._paused:

@@ -15,7 +15,9 @@ torchvision and the one sgl_kernel op a dense model calls); the trainer process 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -67,47 +69,103 @@ class GpuPlacement:
     mem_fraction_static: float
 
 
+@dataclass(frozen=True)
+class TrainerMemory:
+    """The trainer's ranks on this node just before a colocated server starts, by local GPU:
+    bytes free on that GPU (``torch.cuda.mem_get_info``, what SGLang will measure) and bytes the
+    rank will still allocate after the server has sized its KV cache (Adam's moments, created at
+    the first optimizer step)."""
+
+    free_bytes: tuple[int, ...]
+    reserved_bytes: tuple[int, ...]
+
+
+def gather_trainer_memory(reserved_bytes: int) -> TrainerMemory:
+    """Collective: every trainer rank calls it with its own ``reserved_bytes``; each reports its
+    GPU's free memory, and all get this node's (the node of rank 0, which launches the servers),
+    indexed by LOCAL_RANK = the GPU that rank uses (torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = (int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")),
+            int(torch.cuda.mem_get_info()[0]), int(reserved_bytes))
+    everyone = [mine]
+    if dist.is_available() and dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    node = everyone[0][0]
+    local = sorted((local_rank, free, reserved) for group, local_rank, free, reserved in everyone if group == node)
+    return TrainerMemory(tuple(f for _, f, _ in local), tuple(r for _, _, r in local))
+
+
 # Below this share of a GPU a colocated server has no room for a useful KV cache.
 MIN_COLOCATED_FRACTION = 0.05
 
 
-def place_server(cfg: RolloutConfig, trainer_gpus: int, visible_gpus: int, reserved_bytes: int = 0,
-                 gpu_bytes: int = 1, index: int = 0) -> GpuPlacement:
+def place_server(cfg: RolloutConfig, trainer_gpus: int, visible_gpus: int, memory: TrainerMemory | None = None,
+                 index: int = 0) -> GpuPlacement:
     """The GPUs of launched server ``index`` (of a fleet; 0 for one server) on a node where the
     trainer's ranks hold GPUs [0, trainer_gpus); server i's share is GPUs [i x tp, (i+1) x tp)
     of the region it lands in.
 
     Free GPUs after the trainer's: the server takes them (``--base-gpu-id trainer_gpus + i x tp``)
     and its configured memory share. Otherwise it shares GPUs [i x tp, (i+1) x tp) with trainer
-    ranks (colocated): it then gets ``mem_fraction_static`` minus ``reserved_bytes`` / ``gpu_bytes``,
-    the memory the trainer will still allocate after the server has sized its KV cache (Adam's
-    moments, created at the first optimizer step). SGLang sizes its KV cache as the memory free
-    after loading its weights minus (1 - fraction) x the GPU, so the trainer's remaining share
-    of the GPU, (1 - mem_fraction_static) x the GPU, stays free for its activations."""
+    ranks (colocated), and ``rollout.mem_fraction_static`` = F is the share of each GPU's memory
+    free at that moment that the server's weights and KV cache plus the trainer's optimizer state
+    to come may take; (1 - F) x free stays for the trainer's activations. SGLang 0.5.23 sizes a
+    server against pre = the least memory free on any of its TP GPUs when it starts
+    (bootstrap.measure_pre_model_load_memory), and leaves (1 - f) x pre free after its weights
+    and KV cache (kv_cache_configurator._profile_available_bytes): it takes f x pre on every GPU.
+    GPU g, with free_g and reserved_g (``memory``), then keeps free_g - f x pre - reserved_g,
+    which must be >= (1 - F) x free_g, so f = min over g of (F x free_g - reserved_g) / pre.
+    (Against the total memory instead, the optimizer state was under-reserved by free / total.)"""
     tp = cfg.server_tp
     if trainer_gpus + (index + 1) * tp <= visible_gpus:
         return GpuPlacement(trainer_gpus + index * tp, False, cfg.mem_fraction_static)
     if (index + 1) * tp > visible_gpus:
         raise RolloutError(f"rollout server {index} with rollout.server_tp={tp} needs GPUs {index * tp}.."
                            f"{(index + 1) * tp - 1}; {visible_gpus} are visible here")
-    fraction = cfg.mem_fraction_static - reserved_bytes / gpu_bytes
+    gpus = [g for g in range(index * tp, (index + 1) * tp) if memory is not None and g < len(memory.free_bytes)]
+    if not gpus:   # no trainer rank measured on these GPUs: nothing to reserve
+        return GpuPlacement(index * tp, True, cfg.mem_fraction_static)
+    pre = min(memory.free_bytes[g] for g in gpus)
+    binding = min(gpus, key=lambda g: (cfg.mem_fraction_static * memory.free_bytes[g] - memory.reserved_bytes[g]) / pre)
+    fraction = (cfg.mem_fraction_static * memory.free_bytes[binding] - memory.reserved_bytes[binding]) / pre
     if fraction < MIN_COLOCATED_FRACTION:
         raise RolloutError(
             f"a server colocated with the trainer on GPUs {index * tp}..{(index + 1) * tp - 1} would get "
-            f"{fraction:.3f} of each GPU: rollout.mem_fraction_static={cfg.mem_fraction_static} minus the trainer's "
-            f"optimizer state ({reserved_bytes / 2**30:.1f} GiB of {gpu_bytes / 2**30:.1f} GiB); raise "
-            f"mem_fraction_static, shard the optimizer over more data-parallel ranks, or leave GPUs free for the server")
-    return GpuPlacement(index * tp, True, round(fraction, 4))
+            f"{fraction:.3f} of the memory free there: rollout.mem_fraction_static={cfg.mem_fraction_static} minus the "
+            f"trainer's optimizer state on GPU {binding} ({memory.reserved_bytes[binding] / 2**30:.1f} GiB of "
+            f"{memory.free_bytes[binding] / 2**30:.1f} GiB free); raise mem_fraction_static, shard the optimizer "
+            f"over more data-parallel ranks, or leave GPUs free for the server")
+    return GpuPlacement(index * tp, True, math.floor(fraction * 1e4) / 1e4)   # rounded down: never over
+
+
+def served_model_flags(hf_dir: str) -> list[str]:
+    """``--dtype`` and, where needed, ``--attention-backend`` for a GPU server of ``hf_dir``.
+    SGLang's ``--dtype auto`` serves a float32 checkpoint in float16 (range 6.5e4: logits and
+    activations of a trained model can overflow it); megadiv's trainers compute in bf16, so a
+    float32 checkpoint is served in bfloat16 and a bf16/fp16 one as stored. The attention
+    kernels SGLang picks on Hopper (FlashAttention 3, FlashInfer) are built for head dims 64, 128
+    and 256; other head dims (the tiny test models have 16 and 32) get the Triton backend, which
+    pads any head dim to a power of two."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
+    flags = ["--dtype", "bfloat16" if stored in ("float32", "float") else str(stored)]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in (64, 128, 256):
+        flags += ["--attention-backend", "triton"]
+    return flags
 
 
 def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, gpu: GpuPlacement | None) -> list[str]:
     """The ``sglang.launch_server`` command line for ``hf_dir`` on 127.0.0.1:``port``, on the GPUs
-    of ``gpu`` (None: a CPU server)."""
+    of ``gpu`` (None: a CPU server). ``rollout.server_args`` come last and so override these."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
            "--host", "127.0.0.1", "--port", str(port)]
     if gpu is not None:
         cmd += ["--tp-size", str(cfg.server_tp), "--base-gpu-id", str(gpu.base_gpu_id),
-                "--mem-fraction-static", str(gpu.mem_fraction_static)]
+                "--mem-fraction-static", str(gpu.mem_fraction_static), *served_model_flags(hf_dir)]
     else:
         if cfg.server_tp != 1:
             raise ValueError(f"rollout.server_tp={cfg.server_tp}: a CPU SGLang server runs TP=1")
@@ -123,11 +181,16 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-def child_env(cuda: bool) -> dict[str, str]:
+def child_env(cuda: bool, shares_trainer_gpus: bool = False) -> dict[str, str]:
     """The server's environment: ours without torchrun's, plus the CPU tier's switches and
-    stand-ins without CUDA."""
+    stand-ins without CUDA. A server on the trainer's GPUs finds them holding unequal memory
+    (pipeline stages, rank 0's extras): SGLang's TP memory-balance check (on by default) refuses
+    to start when one GPU has less than 0.9 x another's free memory; place_server has sized the
+    server against the least free GPU, as SGLang then does, so the check is turned into its warning."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env["HF_HUB_OFFLINE"] = env.get("HF_HUB_OFFLINE", "1")  # serve local checkpoints, never download
+    if shares_trainer_gpus:
+        env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
     if not cuda:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDINS), env.get("PYTHONPATH")) if p)
@@ -155,7 +218,8 @@ class SGLangServer:
         cmd = launch_command(hf_dir, port, cfg, gpu)
         log.info("launching SGLang server on port %d (log: %s): %s", port, log_path, " ".join(cmd))
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, env=child_env(cuda), stdout=out, stderr=subprocess.STDOUT,
+            env = child_env(cuda, shares_trainer_gpus=cuda and gpu.shares_trainer_gpus)
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_term_on_parent_death)
         server = cls(proc, f"http://127.0.0.1:{port}", log_path, cfg.shutdown_grace_s)

@@ -24,7 +24,9 @@ import torch
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.evaluation import EvalSampling, EvalSuite, default_reward
 from megadiv.rewards import build_reward
-from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine
+from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine, resolve_engine_name
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience, build_experience, concat, informative_groups, take_groups
 from megadiv.trainer.metrics import StepTimer
@@ -35,10 +37,18 @@ MAX_STALENESS = 1
 """Weight versions a trained batch may lag the policy it updates (0 on-policy, 1 with grpo.overlap)."""
 
 
+def trainer_memory_for_servers(cfg: RolloutConfig, reserved_bytes: int) -> TrainerMemory | None:
+    """Collective (every trainer rank, after its models are built): each rank's free GPU memory
+    and ``reserved_bytes`` (its optimizer state to come), for SGLang servers rank 0 launches on
+    CUDA beside the trainer (sglang_server.place_server); None when no server is launched there."""
+    launches = torch.cuda.is_available() and not cfg.server_urls and resolve_engine_name(cfg) == "sglang"
+    return gather_trainer_memory(reserved_bytes) if launches else None
+
+
 class RolloutDriver:
     """Prompts -> completions -> rewards -> advantages, and held-out evaluation."""
 
-    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, reserved_bytes: int = 0):
+    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, trainer_memory: TrainerMemory | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.dataset = load_dataset(cfg.data)
         self.template = PromptTemplate.resolve(cfg.data, self.dataset, tokenizer)
@@ -51,7 +61,7 @@ class RolloutDriver:
             eval_data, [cfg.reward] * (cfg.eval.data is not None) + [default_reward(d.name, cfg.reward)
                                                                      for d in cfg.eval.extra_data],
             tokenizer, shared={cfg.reward: self.reward})
-        self.engine = make_engine(cfg.rollout, hf_dir, reserved_bytes)  # after the models: see place_server
+        self.engine = make_engine(cfg.rollout, hf_dir, trainer_memory)  # after the models: see place_server
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.served_step = 0  # the trainer step whose weights the engine serves (0: the starting ones)
         self._ahead: Future | None = None  # the next batch, in flight or done (grpo.overlap)

@@ -26,7 +26,7 @@ from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.driver import RolloutDriver, drain
+from megadiv.trainer.driver import RolloutDriver, drain, trainer_memory_for_servers
 from megadiv.trainer.experience import Experience
 from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
@@ -58,8 +58,8 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
 
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        driver = (RolloutDriver(cfg, start_dir, tokenizer, reserved_bytes=actor.optimizer_state_bytes())
-                  if info.rank == 0 else None)
+        memory = trainer_memory_for_servers(cfg.rollout, actor.optimizer_state_bytes())   # collective
+        driver = RolloutDriver(cfg, start_dir, tokenizer, memory) if info.rank == 0 else None
         probe = ProbeBatch.random(actor.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "batch_ahead": None,

@@ -108,3 +108,30 @@ def zero3(ctx):
                      "bitwise": all(torch.equal(weights[k], w) for k, w in _weights(resumed_actor).items()),
                      "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())}
     return out
+
+
+def bf16_stages(ctx):
+    """One rank, bf16 weights (``model.params_dtype: bfloat16``, DeepSpeed's bf16 engine, fp32
+    master weights and Adam state): three steps of ``parity``'s batch and loss at ZeRO-0 and at
+    ZeRO-3 (on one rank its partitioning hooks still gather and release every parameter), each from
+    the same weights. The GPU check's ``deepspeed_bf16`` item runs it on the GPU; a CPU test too."""
+    import time
+
+    hf_dir = ctx.args["hf_dir"]
+    initialize(ParallelConfig(), seed=1)
+    model = ModelConfig(hf_dir=hf_dir, backend="deepspeed", params_dtype="bfloat16")
+    out = {}
+    for stage in ctx.args.get("stages", (0, 3)):
+        def make(role, optim, stage=stage):
+            return DeepSpeedPolicy(model, DeepSpeedConfig(zero_stage=stage), role, optim, total_steps=3, temperature=0.7)
+
+        start = time.perf_counter()
+        actor, reference = make("actor", ADAM), make("reference", None)
+        steps = _steps(actor, reference, 3)
+        weights = _weights(actor)
+        out[stage] = {"steps": steps, "wall_s": time.perf_counter() - start,
+                      "dtypes": sorted({str(w.dtype) for w in weights.values()}),
+                      "device": str(next(actor.module.parameters()).device),
+                      "weights": {k: w.float().cpu() for k, w in weights.items()}}
+        del actor, reference
+    return out

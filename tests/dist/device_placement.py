@@ -82,9 +82,10 @@ def _grpo_step(hf_dir: str, guarded: bool, overrides: list[str] = ()) -> dict:
 
 def padding_invariance(ctx):
     """One SGD step of the same batch with the model's sequence length left as is and padded to a
-    multiple of 16 (FP8's rule): log-probs of the response tokens, loss metrics and every gradient must agree."""
+    multiple of 16 (FP8's rule): log-probs of the response tokens, loss metrics and every gradient must agree.
+    ``ctx.args["model"]``: ModelConfig fields (the GPU check forces ``transformer_impl: local``)."""
     initialize(ParallelConfig(), seed=1)
-    model = ModelConfig(hf_dir=ctx.args["hf_dir"])
+    model = ModelConfig(hf_dir=ctx.args["hf_dir"], **ctx.args.get("model", {}))
     loss = load_config(TrainConfig, None, [f"model.hf_dir={ctx.args['hf_dir']}", "loss.kl_coef=0.1",
                                            "loss.loss_agg=seq-mean-token-sum-norm"]).loss
     g = torch.Generator().manual_seed(3)
