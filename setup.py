@@ -19,6 +19,7 @@ setup(
         "transformers>=5.19,<5.20",
         "math-verify>=0.9,<0.10",
         "tensorboard>=2.14",
+        "datasets>=3.0",
         "matplotlib>=3.7",
         "scipy>=1.11",                  # megadiv sweep: t quantiles and the paired test
         "requests>=2.31",
@@ -31,6 +32,7 @@ setup(
         # apex is not on PyPI: the NGC image carries it, or build it from NVIDIA's sources.
         "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0", "sglang==0.5.23", "torch==2.14.1"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff==0.17.5"],
+        "wandb": ["wandb>=0.19"],  # run.loggers: [..., wandb]
     },
     entry_points={"console_scripts": ["megadiv=megadiv.cli:main"]},
 )

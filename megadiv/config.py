@@ -196,14 +196,38 @@ class OptimConfig:
             raise ConfigError("optim.clip_grad and optim.warmup_steps must be >= 0")
 
 
+LoggerName = Literal["jsonl", "tensorboard", "wandb"]
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
-    """The run directory is output_dir/name: metrics, checkpoints, summary, exported model."""
+    """The run directory is output_dir/name: metrics, checkpoints, summary, exported model. Also the
+    name of the W&B run."""
     output_dir: str = "runs"
     """Parent directory of run directories."""
     seed: int = 1234
     """Seeds model init, megatron's RNG and the rollout sampling of each step (reproducible resume)."""
+    loggers: tuple[LoggerName, ...] = ("jsonl", "tensorboard")
+    """Where step metrics go (megadiv/trainer/loggers.py): jsonl (metrics.jsonl and summary.json,
+    always written, listed or not), tensorboard (run_dir/tensorboard), wandb (Weights & Biases: the
+    resolved config and summary too; WANDB_MODE=offline writes under run_dir/wandb; a resume
+    continues the same W&B run; needs the wandb package)."""
+    wandb_project: str = "megadiv"
+    """W&B project of the run (run.loggers with wandb)."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None: the account's default (run.loggers with wandb)."""
+    wandb_tags: tuple[str, ...] = ()
+    """W&B tags of the run (run.loggers with wandb)."""
+
+    def __post_init__(self):
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"run.loggers lists a logger twice: {list(self.loggers)}")
+        if "wandb" not in self.loggers:
+            for key, default in (("wandb_project", "megadiv"), ("wandb_entity", None), ("wandb_tags", ())):
+                if getattr(self, key) != default:
+                    raise ConfigError(f"run.{key} applies when run.loggers includes wandb (run.loggers: "
+                                      f"{list(self.loggers)})")
 
 
 def check_model_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:

@@ -12,7 +12,7 @@ from megadiv.config import ConfigError, ParallelConfig
 from megadiv.models.checkpoint import CheckpointError
 from megadiv.trainer.checkpoint import MANIFEST, layout_of, resume_point
 from megadiv.trainer.lifecycle import RunGuard, RunLock, RunLocked
-from megadiv.trainer.metrics import _truncate_records, read_records
+from megadiv.trainer.loggers import read_records, truncate_records
 
 TP1 = ParallelConfig()
 
@@ -72,9 +72,9 @@ def test_metrics_after_a_kill_mid_write_and_a_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 1, 2, 3)) + '{"step": 4, "x"')
     assert [r["step"] for r in read_records(path)] == [0, 1, 2, 3]  # the torn line is skipped
-    _truncate_records(path, 2)  # resumed from the checkpoint of step 2
+    truncate_records(path, 2)  # resumed from the checkpoint of step 2
     assert [r["step"] for r in read_records(path)] == [0, 1, 2] and path.read_text().endswith("\n")
-    _truncate_records(path, -1)  # a fresh start
+    truncate_records(path, -1)  # a fresh start
     assert path.read_text() == ""
 
 

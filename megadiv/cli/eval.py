@@ -2,15 +2,22 @@
 --temperature T --top-p P] [--max-new-tokens M] [--out FILE.json]``.
 
 Greedy pass@1 on each split (default split: test), and with ``--samples K`` also avg@K and pass@K
-at the given temperature / top-p; prints a table and writes JSON. The engine is the configured one
-(``--engine auto``: SGLang when CUDA and sglang are there, else the embedded engine).
+at the given temperature / top-p, and the mean and median response length in tokens (all, correct,
+incorrect responses); prints tables and writes JSON. Each split shows a progress bar (rate, ETA). A
+split that fails (cannot be loaded or rendered, or its generation fails) gets its own entry with the
+error and the others still run; the exit status is 1 only when every split failed. The engine is the
+configured one (``--engine auto``: SGLang when CUDA and sglang are there, else the embedded engine).
+
+The longest response (``--max-new-tokens``) is by default each data set's own (``eval_max_new_tokens``
+in the registry; docs/data_and_rewards.md), and a run's own for a run's own data set.
 
 ``--model`` takes a Hugging Face directory or a run directory (its ``hf/`` export). For a run
 directory, or its ``hf/``, the run's config supplies the defaults: the prompt template settings
-(template, prompt_style, enable_thinking, system_prompt), the engine settings, max_new_tokens,
-and for the run's own held-out dataset its exact data config and reward. Otherwise each split uses
-its dataset's reward (math-verify, the code sandbox, exact match) and the template ``auto``
-(``raw`` for the synthetic arithmetic task).
+(template, prompt_style, enable_thinking, system_prompt; a ``raw`` template only for data sets whose
+prompts ask for no answer format, since other sets' raw text carries no instruction), the engine
+settings, and for the run's own held-out dataset its exact data config, reward and max_new_tokens.
+Otherwise each split uses its dataset's reward (math-verify, the code sandbox, exact match) and the
+template ``auto`` (``raw`` for the synthetic arithmetic task).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="temperature of the k samples")
     parser.add_argument("--top-p", type=float, default=1.0, help="top-p of the k samples")
     parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="longest response (default: the run's, else 1024)")
+                        help="longest response (default: the run's for its own data set, else the data set's)")
     parser.add_argument("--out", default=None, help="JSON results (default: RUN_DIR/eval.json for a run, else ./eval.json)")
     parser.add_argument("--engine", choices=("auto", "embedded", "sglang"), default=None,
                         help="rollout engine (default: the run's, else auto)")
@@ -54,12 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         hf_dir, run_dir, run_cfg = resolve_model(Path(args.model))
-        data_cfgs, reward_cfgs = plan(args, run_cfg)
+        data_cfgs, reward_cfgs, max_new = plan(args, run_cfg)
         rollout = _rollout_config(args, run_cfg)
-        max_new = args.max_new_tokens or _run_max_new_tokens(run_cfg) or 1024  # 1024: ours
         from megadiv.evaluation import EvalSampling
 
-        sampling = EvalSampling(max_new, args.samples, args.temperature, args.top_p)
+        if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.samples < 0:
+            raise ValueError(f"need --max-new-tokens >= 1 and --samples >= 0, got {args.max_new_tokens} and "
+                             f"{args.samples}")
+        sampling = EvalSampling(args.max_new_tokens, args.samples, args.temperature, args.top_p)
     except (ConfigError, ValueError, OSError) as e:
         print(f"megadiv eval: {e}", file=sys.stderr)
         return 2
@@ -69,25 +78,29 @@ def run(args: argparse.Namespace) -> int:
     from megadiv.rollout import make_engine, resolve_engine_name
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    suite = EvalSuite.build(data_cfgs, reward_cfgs, tokenizer)
+    suite = EvalSuite.build(data_cfgs, reward_cfgs, tokenizer, max_new_tokens=max_new, keep_going=True)
     engine = None
     try:
         engine = make_engine(rollout, str(hf_dir))
         start = time.time()
-        results = suite.run(engine, sampling, progress=lambda text: print(text, flush=True))
+        results = suite.run(engine, sampling, keep_going=True)
     finally:
         if engine is not None:
             engine.shutdown()
         suite.close()
-    report = {"model": str(hf_dir), "engine": resolve_engine_name(rollout), "max_new_tokens": max_new,
-              "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p,
-              "seconds": round(time.time() - start, 1), "results": results}
+    report = {"model": str(hf_dir), "engine": resolve_engine_name(rollout), "samples": args.samples,
+              "temperature": args.temperature, "top_p": args.top_p, "seconds": round(time.time() - start, 1),
+              "results": results}
     out = Path(args.out) if args.out else (run_dir / "eval.json" if run_dir else Path("eval.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(format_table(results))
+    print(format_lengths(results))
     print(f"results: {out}")
-    return 0
+    failed = [name for name, r in results.items() if "error" in r]
+    if failed:
+        print(f"megadiv eval: {len(failed)} of {len(results)} splits failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if len(failed) == len(results) else 0
 
 
 def resolve_model(path: Path) -> tuple[Path, Path | None, dict | None]:
@@ -107,8 +120,10 @@ def resolve_model(path: Path) -> tuple[Path, Path | None, dict | None]:
                      f"(config.yaml)")
 
 
-def plan(args: argparse.Namespace, run_cfg: dict | None) -> tuple[list[DataConfig], list[RewardConfig]]:
-    """The data and reward config of each requested split."""
+def plan(args: argparse.Namespace, run_cfg: dict | None
+         ) -> tuple[list[DataConfig], list[RewardConfig], list[int | None]]:
+    """The data and reward config of each requested split, and its max_new_tokens when the run sets it
+    (None: the data set's default; --max-new-tokens overrides both at run time)."""
     run_eval = _section(DataConfig, (run_cfg or {}).get("eval", {}).get("data"))
     run_data = _section(DataConfig, (run_cfg or {}).get("data"))
     run_reward = _section(RewardConfig, (run_cfg or {}).get("reward"))
@@ -116,7 +131,7 @@ def plan(args: argparse.Namespace, run_cfg: dict | None) -> tuple[list[DataConfi
                                    "system_prompt": args.system_prompt,
                                    "enable_thinking": None if args.enable_thinking is None
                                    else args.enable_thinking == "true"}.items() if v is not None}
-    data_cfgs, reward_cfgs = [], []
+    data_cfgs, reward_cfgs, max_new = [], [], []
     for item in (s.strip() for s in args.data.split(",") if s.strip()):
         name, _, split = item.partition(":")
         if name not in DATASETS:
@@ -126,9 +141,10 @@ def plan(args: argparse.Namespace, run_cfg: dict | None) -> tuple[list[DataConfi
             raise ValueError(f"--data: {name} has no split {split!r}; splits: {sorted(DATASETS[name].splits)}")
         own = next((c for c in (run_eval, run_data) if c is not None and c.name == name), None)
         like = own or run_eval or run_data
-        base = own or DataConfig(name=name, **({k: getattr(like, k) for k in TEMPLATE_KEYS} if like else
+        base = own or DataConfig(name=name, **(_inherited_template(like, name) if like else
                                                {"template": "raw" if name == "arithmetic" else "auto"}))
         data_cfgs.append(replace(base, split=split, shuffle=False, max_items=args.limit, **overrides))
+        max_new.append(_run_max_new_tokens(run_cfg) if own is not None else None)
         if args.reward:
             reward_cfgs.append(RewardConfig(name=args.reward))
         elif own is not None and run_reward is not None:
@@ -139,15 +155,54 @@ def plan(args: argparse.Namespace, run_cfg: dict | None) -> tuple[list[DataConfi
             reward_cfgs.append(default_reward(name))
     if not data_cfgs:
         raise ValueError("--data names no dataset")
-    return data_cfgs, reward_cfgs
+    return data_cfgs, reward_cfgs, max_new
 
 
-def format_table(results: dict[str, dict[str, float]]) -> str:
-    keys = sorted({k for r in results.values() for k in r if k != "n"}, key=lambda k: (k != "pass@1", k))
-    rows = [["split", "n", *keys]] + [[name, str(r["n"]), *(f"{r[k]:.3f}" if k in r else "-" for k in keys)]
-                                      for name, r in results.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+def _inherited_template(run_data: DataConfig, name: str) -> dict:
+    """The run's template settings for data set ``name``; its ``raw`` template (the record's text as the
+    whole prompt, e.g. the tiny demo's "17+25=") only for sets that ask for no answer format, where it
+    is what the run's model was trained on: for the others it would drop the instruction, and with a
+    character tokenizer every character outside its alphabet, down to an empty prompt (MBPP)."""
+    template = {k: getattr(run_data, k) for k in TEMPLATE_KEYS}
+    if template["template"] == "raw" and DATASETS[name].answer_format != "none":
+        template["template"] = "auto"
+    return template
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """One row per split: n and the accuracy figures, or the split's error."""
+    keys = sorted({k for r in results.values() for k in r if k.startswith(("pass@", "avg@"))},
+                  key=lambda k: (k != "pass@1", k))
+    rows = [["split", "n", *keys]]
+    for name, r in results.items():
+        n = "-" if r.get("n") is None else str(r["n"])
+        rows.append([name, n, *(f"{r[k]:.3f}" if k in r else "-" for k in keys)] if "error" not in r else
+                    [name, n, f"error: {r['error']}"])
+    return _align(rows)
+
+
+def format_lengths(results: dict[str, dict]) -> str:
+    """Response length in tokens, one row per split and generation pass (greedy, samples@k)."""
+    rows = [["response tokens", "n", "mean", "median", "correct: n", "mean", "median", "incorrect: n", "mean",
+             "median"]]
+    for name, r in results.items():
+        for kind, stats in r.get("response_tokens", {}).items():
+            rows.append([f"{name} {kind}", *(cell for group in ("all", "correct", "incorrect")
+                                              for cell in _stats_cells(stats[group]))])
+    return _align(rows)
+
+
+def _stats_cells(stats: dict) -> list[str]:
+    return [str(stats["n"]), *("-" if stats[k] is None else f"{stats[k]:.1f}" for k in ("mean", "median"))]
+
+
+def _align(rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell; the last cell of a short row (an error) is left out of the
+    widths so that it runs on instead of widening its column."""
+    full = len(rows[0])
+    widths = [max(len(row[i]) for row in rows if i < len(row) and (len(row) == full or i < len(row) - 1))
+              for i in range(full)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _section(cls, data: dict | None):

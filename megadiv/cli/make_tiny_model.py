@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megadiv.models.tiny import DEFAULT_CHARS, FAMILIES, make_tiny_model
 
@@ -34,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_tiny_model(**vars(args))
+    try:
+        out = make_tiny_model(**vars(args))
+    except (FileExistsError, ValueError) as e:  # --out exists; a tokenizer or size that cannot be built
+        print(f"megadiv make-tiny-model: error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.family} model to {out}")
     return 0
 

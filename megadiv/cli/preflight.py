@@ -3,24 +3,29 @@
 the checkpoint a resume would start from (and that it keeps its pinned mirror map). Every error is
 a ConfigError naming the file.
 
-The config's own keys, types and combinations are checked when it is loaded (megadiv.config).
+W&B, when run.loggers lists it, must be installed. The config's own keys, types and combinations
+are checked when it is loaded (megadiv.config).
 """
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-from megadiv.config import ConfigError
+from megadiv.config import ConfigError, ModelConfig
 from megadiv.data import DataConfig, load_dataset
-from megadiv.trainer.config import TrainConfig
+from megadiv.data.templates import check_message_prompts
+from megadiv.trainer.config import TrainConfig, chat_template_text
+from megadiv.trainer.loggers import import_wandb
 
 
 def preflight(cfg: TrainConfig) -> list[str]:
     """Raise ConfigError for the first problem found; return notes for the user (where a resume
     would start, checkpoints it would skip)."""
-    _check_data(cfg.data, "data")
-    if cfg.eval.data is not None:
-        _check_data(cfg.eval.data, "eval.data")
+    for data, section in [(cfg.data, "data"), (cfg.eval.data, "eval.data")]:
+        if data is not None:
+            _check_data(data, section, cfg.model)
+    if "wandb" in cfg.run.loggers:
+        import_wandb()  # installed, or a ConfigError saying so
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     _check_writable(run_dir, "run.output_dir")
     if cfg.model.has_checkpoint():
@@ -30,7 +35,9 @@ def preflight(cfg: TrainConfig) -> list[str]:
     return _resume_notes(cfg, run_dir) if cfg.checkpoint.resume == "auto" else []
 
 
-def _check_data(data: DataConfig, section: str) -> None:
+def _check_data(data: DataConfig, section: str, model: ModelConfig) -> None:
+    """The data loads and is not empty; prompts given as chat messages are rendered as they are (no
+    data key adds to them) by a chat template (a model made by warm_start.make_model always has one)."""
     from megadiv.data.datasets import DatasetError
 
     try:
@@ -39,6 +46,14 @@ def _check_data(data: DataConfig, section: str) -> None:
         raise ConfigError(f"{section}: {e}") from None
     if len(dataset) == 0:
         raise ConfigError(f"{section}: {data.path or f'{data.name}/{data.split}'} holds no records")
+    if any(r.messages for r in dataset):
+        try:
+            check_message_prompts(data)
+        except ValueError as e:
+            raise ConfigError(f"{section}: {e}") from None
+        if model.has_checkpoint() and not chat_template_text(model.hf_dir):
+            raise ConfigError(f"{section}: the prompts of {data.path} are chat messages, and the tokenizer of "
+                              f"model.hf_dir={model.hf_dir} has no chat template to render them")
 
 
 def _check_writable(path: Path, key: str) -> None:

@@ -65,7 +65,8 @@ def load_arithmetic(cfg: DataConfig) -> list[Record]:
 
 
 register_dataset("arithmetic", DatasetSpec(load_arithmetic, {"train": None, "test": None}, "none", "exact_match",
-                                          "Synthetic 'a+b=' problems for small demos"))
+                                          "Synthetic 'a+b=' problems for small demos",
+                                          eval_max_new_tokens=8))  # a sum of up to 7 digits, then EOS
 
 ARITHMETIC_ALPHABET = "0123456789+="
 

@@ -7,6 +7,7 @@ from typing import Literal, Optional
 TemplateName = Literal["auto", "chat", "plain", "raw"]
 AnswerFormat = Literal["default", "boxed", "hash", "code", "none"]
 PromptStyle = Literal["default", "gbmpo_eval", "gbmpo_train"]
+USER_FILE_DATASETS = ("jsonl", "hf")
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class DataConfig:
 
     name: str = "gsm8k"
     """Registry name: gsm8k, math500, aime24, aime25, mbpp, mbpp_sanitized, arithmetic,
-    word_arithmetic, jsonl, or one added with ``megadiv.data.register_dataset``."""
+    word_arithmetic, jsonl and hf (a user's file), or one added with ``megadiv.data.register_dataset``."""
     split: str = "train"
     """Split of that dataset (gsm8k: train/test; mbpp: prompt/test/validation/train/all, and the GBMPO
     authors' gbmpo_train (299) / gbmpo_validation (75) of train; ...)."""
@@ -46,19 +47,23 @@ class DataConfig:
     max_items: Optional[int] = None
     """Keep only the first N records of the split (after loading, before shuffling)."""
 
-    # jsonl: a user's own file, one JSON object per line.
+    # jsonl, hf: a user's own file (megadiv/data/user_files.py). A field name may be dotted to reach
+    # into nested fields (verl's reward_model.ground_truth).
     path: Optional[str] = None
-    """jsonl: path of the file."""
+    """jsonl: the JSON-lines file; hf: a Parquet, JSON/JSONL or CSV file, or a directory written by
+    datasets' save_to_disk (a saved DatasetDict: ``split`` picks the split)."""
     prompt_field: str = "prompt"
-    """jsonl: field holding the problem text."""
+    """jsonl, hf: field holding the problem text, or a list of chat messages [{role, content}, ...]
+    that the tokenizer's chat template renders as they are (as verl's prompt column)."""
     answer_field: Optional[str] = "answer"
-    """jsonl: field holding the gold answer (math / exact match), or None."""
+    """jsonl, hf: field holding the gold answer (math / exact match), or None; verl's files:
+    reward_model.ground_truth."""
     tests_field: Optional[str] = None
-    """jsonl: field holding a list of assert statements (code), or None."""
+    """jsonl, hf: field holding a list of assert statements (code), or None."""
     id_field: Optional[str] = None
-    """jsonl: field holding a record id; None numbers the lines."""
+    """jsonl, hf: field holding a record id; None numbers the rows from 0."""
     expected_rows: Optional[int] = None
-    """jsonl: row count the file must have (checked on load); None skips the check."""
+    """jsonl, hf: row count the file must have (checked on load); None skips the check."""
 
     # arithmetic: the synthetic task 'a+b=' for small demos; word_arithmetic: graded word problems.
     arithmetic_digits: int = 2
@@ -80,9 +85,9 @@ class DataConfig:
         _check(self.max_items is None or self.max_items >= 1, "max_items", f"must be >= 1, got {self.max_items}")
         _check(self.expected_rows is None or self.expected_rows >= 0, "expected_rows",
                f"must be >= 0, got {self.expected_rows}")
-        _check(self.name != "jsonl" or bool(self.path), "path", "is required when name is 'jsonl'")
-        _check(self.name != "jsonl" or self.answer_field is not None or self.tests_field is not None,
-               "answer_field", "jsonl needs answer_field or tests_field")
+        _check(not self.user_file or bool(self.path), "path", f"is required when name is {self.name!r}")
+        _check(not self.user_file or self.answer_field is not None or self.tests_field is not None,
+               "answer_field", f"{self.name} needs answer_field or tests_field")
         _check(self.prompt_style == "default" or self.system_prompt is None, "system_prompt",
                f"must be unset with prompt_style={self.prompt_style!r} (that prompt has its own system message)")
         _check(self.prompt_style == "default" or self.template != "raw", "prompt_style",
@@ -93,6 +98,11 @@ class DataConfig:
         _check(self.arithmetic_test_size >= 1, "arithmetic_test_size", f"must be >= 1, got {self.arithmetic_test_size}")
         _check(self.arithmetic_train_size is None or self.arithmetic_train_size >= 1, "arithmetic_train_size",
                f"must be >= 1, got {self.arithmetic_train_size}")
+
+    @property
+    def user_file(self) -> bool:
+        """A user's file (jsonl, hf), read through the field keys."""
+        return self.name in USER_FILE_DATASETS
 
 
 def _check(ok: bool, key: str, reason: str) -> None:

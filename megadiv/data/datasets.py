@@ -6,15 +6,14 @@ the split and the number of rows against what the registry entry expects, and tr
 
     ds = load_dataset(DataConfig(name="gsm8k", split="test"))   # 1,319 records, or DatasetError
 
-A user's own data is a JSONL file plus a config entry (``name: jsonl``, ``path``, field names),
-or a Python loader added with :func:`register_dataset`.
+A user's own data is a file plus a config entry (``name: jsonl`` or ``hf``, ``path``, field names;
+megadiv/data/user_files.py), or a Python loader added with :func:`register_dataset`.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -42,6 +41,9 @@ class Record:
     """Code run after the program and before the tests (MBPP test_setup_code, test imports)."""
     solution: Optional[str] = None
     """Reference solution: worked text (GSM8K, MATH) or a program (MBPP)."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """(role, content) chat messages given by the data file itself (verl's ``prompt`` column): the
+    chat template renders them as they are, and ``prompt`` holds the last user message's content."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class DatasetSpec:
     description: str = ""
     any_split: bool = False
     """Accept any split name (user files, whose only split is the file itself)."""
+    eval_max_new_tokens: int = 1024
+    """``megadiv eval``'s default response length for this set: room for the answers its prompts ask for
+    (docs/data_and_rewards.md gives each set's reason); a thinking model needs more (--max-new-tokens)."""
 
 
 DATASETS: dict[str, DatasetSpec] = {}
@@ -169,8 +174,6 @@ MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "
                "all": (1, 974)}
 
 
-
-
 def gbmpo_es_rows(n: int, split: str) -> list[int]:
     """The GBMPO authors' ES split of a training set of n rows (Lexsi-Labs/aligntune, meta_es:
     es_utils.py get_mbpp_splits, vllm_evaluator_math.py get_gsm8k_splits): scikit-learn's
@@ -213,54 +216,29 @@ def _mbpp_sanitized(cfg: DataConfig) -> list[Record]:
                    test_setup="\n".join(r["test_imports"]), solution=r["code"]) for r in rows]
 
 
-def _field(path: Path, n: int, row: dict, key: Optional[str], kinds: tuple[type, ...]):
-    """``row[key]`` (row n of the jsonl file ``path``), checked to be one of ``kinds``; None for no key."""
-    if key is None:
-        return None
-    if key not in row:
-        raise DatasetError(f"{path}: row {n} has no field {key!r} (fields: {sorted(row)})")
-    if not isinstance(row[key], kinds):
-        raise DatasetError(f"{path}: row {n} field {key!r} is {type(row[key]).__name__}, expected "
-                           + " or ".join(k.__name__ for k in kinds))
-    return row[key]
-
-
-def _jsonl(cfg: DataConfig) -> list[Record]:
-    path = Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise DatasetError(f"data.path: no such file {path}")
-    records = []
-    for n, row in enumerate(read_jsonl(path)):
-        get = partial(_field, path, n, row)
-        answer = get(cfg.answer_field, (str, int, float))
-        tests = get(cfg.tests_field, (list,))
-        if tests is not None and (not tests or not all(isinstance(t, str) and t.strip() for t in tests)):
-            # Zero tests would grade every program as correct (or, now, as wrong): a dataset error.
-            raise DatasetError(f"{path}: row {n} field {cfg.tests_field!r} must be a non-empty list of "
-                               f"test statements, got {tests!r:.200}")
-        records.append(Record(id=str(get(cfg.id_field, (str, int)) if cfg.id_field else n),
-                              prompt=get(cfg.prompt_field, (str,)), answer=None if answer is None else str(answer),
-                              tests=tuple(tests or ())))
-    return records
-
-
 def _register_builtins() -> None:
+    # eval_max_new_tokens: the power of two that holds (nearly) every reference solution of the set, in
+    # SmolLM2's 49k BPE tokens (docs/data_and_rewards.md, "Evaluation lengths", has the measurements)
     builtins = {
         "gsm8k": DatasetSpec(_gsm8k, {"train": 7473, "test": 1319, "gbmpo_train": 5978, "gbmpo_validation": 1495},
                              "hash", "math", "Grade-school maths word problems (Cobbe et al. 2021); gbmpo_train / "
-                                             "gbmpo_validation: the GBMPO authors' 5,978 / 1,495 ES split of train"),
+                                             "gbmpo_validation: the GBMPO authors' 5,978 / 1,495 ES split of train",
+                             eval_max_new_tokens=512),
         "math500": DatasetSpec(_math500, {"test": 500}, "boxed", "math",
-                               "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)"),
-        "aime24": DatasetSpec(_aime("24"), {"test": 30}, "boxed", "math", "AIME 2024 I and II"),
-        "aime25": DatasetSpec(_aime("25"), {"test": 30}, "boxed", "math", "AIME 2025 I and II"),
+                               "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)",
+                               eval_max_new_tokens=2048),
+        "aime24": DatasetSpec(_aime("24"), {"test": 30}, "boxed", "math", "AIME 2024 I and II",
+                              eval_max_new_tokens=4096),
+        "aime25": DatasetSpec(_aime("25"), {"test": 30}, "boxed", "math", "AIME 2025 I and II",
+                              eval_max_new_tokens=4096),
         "mbpp": DatasetSpec(_mbpp, {"prompt": 10, "test": 500, "validation": 90, "train": 374, "all": 974,
                                     "gbmpo_train": 299, "gbmpo_validation": 75},
                             "code", "code", "Mostly Basic Python Problems (Austin et al. 2021); gbmpo_train / "
-                                            "gbmpo_validation: the GBMPO authors' 299 / 75 split of train"),
+                                            "gbmpo_validation: the GBMPO authors' 299 / 75 split of train",
+                            eval_max_new_tokens=512),
         "mbpp_sanitized": DatasetSpec(_mbpp_sanitized,
                                       {"prompt": 7, "test": 257, "validation": 43, "train": 120, "all": 427},
-                                      "code", "code", "Hand-verified MBPP subset"),
-        "jsonl": DatasetSpec(_jsonl, {}, "boxed", "math", "A user's JSON-lines file", any_split=True),
+                                      "code", "code", "Hand-verified MBPP subset", eval_max_new_tokens=512),
     }
     for name, spec in builtins.items():
         register_dataset(name, spec)

@@ -7,6 +7,8 @@ Every non-raw prompt states the answer format its reward parses, so a policy can
 
 ``data.prompt_style`` gbmpo_eval / gbmpo_train render the GBMPO authors' prompts instead
 (:func:`gbmpo_messages`); ``data.enable_thinking`` goes to chat templates that take it (Qwen3).
+Records that carry their own chat messages (a verl Parquet file's prompts) are rendered by the chat
+template as they are, with nothing added.
 
 Formats: ``boxed`` (the math reward reads the last ``\\boxed{...}``), ``hash`` (the text after the
 last ``####``), ``code`` (the code reward runs the last ```python block against the tests, which
@@ -124,6 +126,19 @@ def takes_enable_thinking(tokenizer) -> bool:
     return "enable_thinking" in template
 
 
+def check_message_prompts(cfg: DataConfig) -> None:
+    """Prompts given as chat messages are the whole prompt: only a chat template renders them, and
+    no data key adds to them (checked by check-config too, before any tokenizer is loaded)."""
+    source = cfg.path or f"{cfg.name}/{cfg.split}"
+    if cfg.template not in ("auto", "chat"):
+        raise ValueError(f"data.template={cfg.template!r} cannot render the chat-message prompts of {source}; "
+                         f"use auto or chat")
+    for key, default in (("system_prompt", None), ("prompt_style", "default"), ("answer_format", "default")):
+        if getattr(cfg, key) != default:
+            raise ValueError(f"data.{key} does not apply to the chat-message prompts of {source}: they are "
+                             f"rendered as the file gives them (put a system message or instruction in the file)")
+
+
 @dataclass(frozen=True)
 class PromptTemplate:
     """A resolved template: ``kind`` is chat, plain or raw (never auto)."""
@@ -142,6 +157,12 @@ class PromptTemplate:
         kind = cfg.template
         if kind == "auto":
             kind = "chat" if has_chat_template(tokenizer) else "plain"
+        if any(r.messages for r in dataset):
+            check_message_prompts(cfg)
+            if not has_chat_template(tokenizer):
+                raise ValueError(f"data.prompt_field {cfg.prompt_field!r} of {cfg.path or cfg.name} holds chat "
+                                 f"messages, which the tokenizer's chat template renders, and this tokenizer has "
+                                 f"none (use a model whose tokenizer has a chat_template, or store the prompts as text)")
         if kind == "chat" and not has_chat_template(tokenizer):
             raise ValueError("data.template='chat' but the tokenizer has no chat_template")
         if cfg.enable_thinking and not (kind == "chat" and takes_enable_thinking(tokenizer)):
@@ -155,7 +176,9 @@ class PromptTemplate:
         """The prompt as text (for a chat template, rendered up to the assistant's turn)."""
         if self.kind == "raw":
             return record.prompt
-        if self.style == "default":
+        if record.messages:  # the file's own chat (resolve made sure the template is a chat template)
+            messages = [{"role": role, "content": content} for role, content in record.messages]
+        elif self.style == "default":
             messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
             messages.append({"role": "user", "content": problem_text(record, self.answer_format)})
         else:

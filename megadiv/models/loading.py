@@ -19,6 +19,7 @@ import torch
 from megadiv.models.families import Rule, plan
 from megadiv.models.hf_config import ArchSpec
 from megadiv.models.sharding import shard
+from megadiv.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -128,23 +129,27 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
     try:
         check_checkpoint(ckpt, model.arch)
         last_layer = None
-        for name, param in megatron_params(model):
-            if name not in rules:
-                raise WeightMismatchError(f"megatron parameter {name} {list(param.shape)} has no entry in the "
-                                          f"{model.family.name} weight table (megadiv/models/families.py)")
-            rule, layer = rules[name]
-            part = shard(rule.layout, [ckpt.slice(n) for n in rule.hf_names(layer)], rank, tp, model.arch,
-                         model.padded_vocab_size)
-            if tuple(part.shape) != tuple(param.shape):
-                raise WeightMismatchError(f"{name}: shard built from {rule.hf_names(layer)} has shape "
-                                          f"{list(part.shape)}, the megatron parameter {list(param.shape)}")
-            if not torch.isfinite(part).all():  # NaN/Inf weights would train on as nan losses until sampling fails
-                names = rule.hf_names(layer)
-                raise WeightMismatchError(f"{Path(hf_dir) / ckpt.file_of[names[0]]}: tensor {', '.join(names)} holds "
-                                          f"NaN or Inf values")
-            param.copy_(part)
-            if layer is not None and layer != last_layer:
-                log.info("loaded layer %d/%d from %s", layer + 1, model.arch.num_layers, hf_dir)
-                last_layer = layer
+        params = list(megatron_params(model))
+        with Progress(f"loading weights from {hf_dir}", total=len(params), unit="tensor") as bar:
+            for name, param in params:
+                if name not in rules:
+                    raise WeightMismatchError(f"megatron parameter {name} {list(param.shape)} has no entry in the "
+                                              f"{model.family.name} weight table (megadiv/models/families.py)")
+                rule, layer = rules[name]
+                part = shard(rule.layout, [ckpt.slice(n) for n in rule.hf_names(layer)], rank, tp, model.arch,
+                             model.padded_vocab_size)
+                if tuple(part.shape) != tuple(param.shape):
+                    raise WeightMismatchError(f"{name}: shard built from {rule.hf_names(layer)} has shape "
+                                              f"{list(part.shape)}, the megatron parameter {list(param.shape)}")
+                # NaN/Inf weights would train on as nan losses until sampling fails
+                if not torch.isfinite(part).all():
+                    names = rule.hf_names(layer)
+                    raise WeightMismatchError(f"{Path(hf_dir) / ckpt.file_of[names[0]]}: tensor {', '.join(names)} "
+                                              f"holds NaN or Inf values")
+                param.copy_(part)
+                bar.update()
+                if layer is not None and layer != last_layer:
+                    log.info("loaded layer %d/%d from %s", layer + 1, model.arch.num_layers, hf_dir)
+                    last_layer = layer
     finally:
         ckpt.close()

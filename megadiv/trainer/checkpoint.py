@@ -38,6 +38,7 @@ from megadiv.divergence.losses import PolicyLossConfig
 from megadiv.divergence.mirror_map import fingerprint, load_vector, save_vector
 from megadiv.models.checkpoint import CheckpointError, sharded_state_dict, write_metadata
 from megadiv.policy.megatron import Policy
+from megadiv.progress import Progress, bytes_read, directory_bytes
 from megadiv.trainer.lifecycle import start_helper
 
 # Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
@@ -187,15 +188,19 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed
-        actor.save_state(partial, _from_rank0(trainer_state))
-    else:
-        _results_queue_that_dies_with_us()
-        state = _state_template(actor, is_loading=False)
-        state["scheduler"] = actor.scheduler.state_dict()
-        state["trainer"] = _from_rank0(trainer_state)
-        state["adam_step"] = _adam_step(actor.optimizer)
-        dist_checkpointing.save(state, str(partial))
+    # the bytes in partial/, against the newest complete checkpoint's (same model and layout, so the
+    # same size; the first save shows bytes and rate only)
+    with Progress(f"saving checkpoint step {step}", total=_checkpoint_bytes(root), unit="B") as bar, \
+            bar.following(lambda: directory_bytes(partial)):
+        if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed
+            actor.save_state(partial, _from_rank0(trainer_state))
+        else:
+            _results_queue_that_dies_with_us()
+            state = _state_template(actor, is_loading=False)
+            state["scheduler"] = actor.scheduler.state_dict()
+            state["trainer"] = _from_rank0(trainer_state)
+            state["adam_step"] = _adam_step(actor.optimizer)
+            dist_checkpointing.save(state, str(partial))
     torch.save(_rng_state(), partial / f"rng_{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -252,6 +257,12 @@ def _results_queue_that_dies_with_us() -> None:
 EXPORT_MARKER = "megadiv_step.json"
 
 
+def _checkpoint_bytes(root: Path) -> int | None:
+    """Bytes of the newest complete checkpoint under ``root``, None without one."""
+    newest = sorted(p for p in root.glob("step_*") if (p / MANIFEST).is_file())
+    return directory_bytes(newest[-1]) if newest else None
+
+
 def export_hf(run_dir: Path, actor: Policy, template_dir: str, step: int, retrained: bool) -> None:
     """Write the policy to ``run_dir/hf`` (collective), unless this launch trained nothing and hf/
     already holds step ``step``. The step is recorded in hf/megadiv_step.json after the export, so
@@ -274,8 +285,13 @@ def load_checkpoint(path: Path, actor: Policy) -> dict:
     if actor.backend == "deepspeed" and manifest["world_size"] != dist.get_world_size():
         raise ConfigError(f"{path} is a DeepSpeed checkpoint of {manifest['world_size']} ranks; resume it with "
                           f"{manifest['world_size']} ranks (ZeRO partitions are per rank)")
+    # the bytes this rank reads; the whole checkpoint is the total when one rank reads it all
+    total = directory_bytes(path) if dist.get_world_size() == 1 else None
+    start = bytes_read()
     try:
-        return _load(path, actor)
+        with Progress(f"loading checkpoint {path.name}", total=total, unit="B") as bar, \
+                bar.following(lambda: bytes_read() - start):
+            return _load(path, actor)
     except (CheckpointError, ConfigError):
         raise
     except Exception as e:  # torch's and megatron's errors do not say which checkpoint

@@ -20,6 +20,7 @@ Every key is documented in docs/training.md.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -169,11 +170,19 @@ class CheckpointConfig:
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the newest complete checkpoint in the run directory, if any."""
     export_hf: bool = True
-    """Write the final policy as a Hugging Face checkpoint (run_dir/hf)."""
+    """Write the final policy as a Hugging Face checkpoint (run_dir/hf), with a model card (README.md)."""
+    base_model_id: str | None = None
+    """Hub id of the model training started from (e.g. Qwen/Qwen3-1.7B), written as base_model in the
+    exported model card so a hub links the two; None: the card names model.hf_dir's directory only."""
 
     def __post_init__(self):
         if self.every < 0 or self.keep_last < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
+        if self.base_model_id is not None and not re.fullmatch(r"[\w.-]+/[\w.-]+", self.base_model_id):
+            raise ConfigError(f"checkpoint.base_model_id must be a hub id 'owner/name', got {self.base_model_id!r}")
+        if self.base_model_id is not None and not self.export_hf:
+            raise ConfigError("checkpoint.base_model_id goes into the exported model card: it needs "
+                              "checkpoint.export_hf=true")
 
 
 @dataclass(frozen=True)
@@ -227,7 +236,7 @@ class TrainConfig:
         if self.warm_start.sft_steps and not self.data_has_answers:
             raise ConfigError("warm_start.sft_steps needs a dataset with reference answers")
         thinking = [d for d in (self.data, self.eval.data, *self.eval.extra_data) if d and d.enable_thinking]
-        if thinking and self.model.has_checkpoint() and "enable_thinking" not in _chat_template_text(self.model.hf_dir):
+        if thinking and self.model.has_checkpoint() and "enable_thinking" not in chat_template_text(self.model.hf_dir):
             raise ConfigError(f"data.enable_thinking=true ({thinking[0].name}:{thinking[0].split}) but the chat template "
                               f"of {self.model.hf_dir} has no thinking mode (it never reads enable_thinking)")
 
@@ -318,14 +327,14 @@ class TrainConfig:
 
     @property
     def data_has_answers(self) -> bool:
-        return self.data.name != "jsonl" or self.data.answer_field is not None
+        return not self.data.user_file or self.data.answer_field is not None
 
     @property
     def needs_reference(self) -> bool:
         return self.loss.kl_coef > 0 or self.loss.regularizer is not None
 
 
-def _chat_template_text(hf_dir: str) -> str:
+def chat_template_text(hf_dir: str) -> str:
     """The chat template(s) a checkpoint ships: tokenizer_config.json's and chat_template.jinja."""
     d, text = Path(hf_dir), ""
     if (d / "tokenizer_config.json").is_file():

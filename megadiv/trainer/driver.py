@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
-from megadiv.evaluation import EvalSampling, EvalSuite, default_reward
+from megadiv.evaluation import EvalSampling, EvalSuite, accuracy, default_reward
 from megadiv.rewards import build_reward
 from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine, resolve_engine_name
 from megadiv.rollout.config import RolloutConfig
@@ -151,7 +151,7 @@ class RolloutDriver:
             primary = i == 0 and cfg.data is not None
             prefix = "eval/" if primary else f"eval/{name.replace(':', '_')}/"
             metrics |= {prefix + ("accuracy" if key == "pass@1" and primary else key): value
-                        for key, value in result.items() if key != "n"}
+                        for key, value in accuracy(result).items()}
         return metrics
 
     def push_weights(self, buckets, step: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ from megadiv.trainer.driver import RolloutDriver, drain, trainer_memory_for_serv
 from megadiv.trainer.experience import Experience
 from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
+from megadiv.trainer.model_card import write_model_card
 from megadiv.trainer.warm_start import starting_checkpoint
 
 
@@ -45,7 +46,7 @@ def train(cfg: TrainConfig) -> Path:
 
 def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
     _write_run_config(cfg, run_dir, info.rank)
-    driver = None
+    driver = logger = None
     try:
         start_dir = starting_checkpoint(cfg, run_dir, info)
         model_cfg = ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir})
@@ -75,7 +76,8 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                 drain(actor.export_buckets(cfg.rollout.bucket_bytes))
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
         resumed_step = state["step"]
-        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, resumed_step=resumed_step if latest else None)
+        logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, cfg.run, to_dict(cfg),
+                               resumed_step=resumed_step if latest else None)
         if latest is None and driver:
             state["eval_before"] = driver.evaluate()
             logger.log(0, state["eval_before"], prefix="eval")
@@ -111,9 +113,15 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             checkpoint.export_hf(run_dir, actor, start_dir, state["step"], retrained=state["step"] > resumed_step)
         if driver:
             logger.log(cfg.grpo.steps, after, prefix="eval")
-            _finish(run_dir, logger, state, after)
+            _finish(cfg, run_dir, logger, state, after)
         return run_dir
+    except BaseException:
+        if logger:
+            logger.close(failed=True)  # W&B marks its run failed, not finished
+        raise
     finally:
+        if logger:
+            logger.close()
         if driver:
             driver.close()
         parallel.shutdown()
@@ -228,13 +236,15 @@ def _write_run_config(cfg: TrainConfig, run_dir: Path, rank: int) -> None:
     dist.barrier()
 
 
-def _finish(run_dir: Path, logger: MetricsLogger, state: dict, after: dict) -> None:
+def _finish(cfg: TrainConfig, run_dir: Path, logger: MetricsLogger, state: dict, after: dict) -> None:
     before = state.get("eval_before") or {}
     summary = {"run_dir": str(run_dir), "steps": state["step"], "skipped_steps": state["skipped_steps"],
                "accuracy_before": before.get("eval/accuracy"), "accuracy_after": after.get("eval/accuracy"),
                "eval_before": before, "eval_after": after, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     logger.write_summary(summary)
     plot_curves(run_dir)
+    if cfg.checkpoint.export_hf:
+        write_model_card(run_dir / "hf", cfg, summary)
     logger.close()
     if summary["accuracy_before"] is not None and summary["accuracy_after"] is not None:
         print(f"held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}", flush=True)

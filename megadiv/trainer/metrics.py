@@ -1,13 +1,16 @@
-"""What a run leaves behind: a progress line per step, ``metrics.jsonl``, TensorBoard events,
-``summary.json`` and a PNG of the main curves. Only global rank 0 writes; the others hold a
-logger that does nothing, so the loop never branches on the rank."""
+"""What a run leaves behind: a progress line per step, the records of run.loggers (``metrics.jsonl``
+and ``summary.json`` always; TensorBoard events, a W&B run: loggers.py) and a PNG of the main
+curves. Only global rank 0 writes; the others hold a logger that does nothing, so the loop never
+branches on the rank."""
 from __future__ import annotations
 
-import json
 import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from megadiv.config import RunConfig
+from megadiv.trainer.loggers import LOGGERS, read_records
 
 # The progress line: (metric key, label, format). Missing keys are left out of the line.
 PROGRESS_FIELDS = [
@@ -47,32 +50,23 @@ class StepTimer:
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl``, mirrors scalars to TensorBoard and
+    """Sends each record to the backends of run.loggers (loggers.py; metrics.jsonl always) and
     prints the progress line. ``enabled=False`` (ranks other than 0) makes every call a no-op."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, resumed_step: int | None = None):
-        """``resumed_step``: the checkpoint's step, whose records (and earlier ones) are kept; later
-        ones, written by the interrupted launch after its last checkpoint, are dropped from
-        metrics.jsonl and TensorBoard. None (a fresh start) drops every record."""
-        self.run_dir, self.enabled, self.total_steps = run_dir, enabled, total_steps
-        self._writer = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            keep_through = -1 if resumed_step is None else resumed_step
-            _truncate_records(run_dir / "metrics.jsonl", keep_through)
-            self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=keep_through + 1)
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, run: RunConfig, config: dict,
+                 resumed_step: int | None = None):
+        """``config``: the resolved run config (W&B's run config). ``resumed_step``: the checkpoint's
+        step, whose records (and earlier ones) are kept; later ones, written by the interrupted
+        launch after its last checkpoint, are dropped. None (a fresh start) drops every record."""
+        self.enabled, self.total_steps = enabled, total_steps
+        names = ["jsonl", *(name for name in run.loggers if name != "jsonl")]
+        self.backends = [LOGGERS[name](run_dir, run, config, resumed_step) for name in names] if enabled else []
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(key, value, step)
-        self._writer.flush()
+        for backend in self.backends:
+            backend.log(step, metrics)
         print(self.progress_line(step, metrics, prefix), flush=True)
 
     def progress_line(self, step: int, metrics: dict[str, float], prefix: str = "step") -> str:
@@ -84,12 +78,15 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def write_summary(self, summary: dict) -> None:
-        if self.enabled:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        for backend in self.backends:
+            backend.summary(summary)
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+    def close(self, failed: bool = False) -> None:
+        """Close every backend, ``failed`` when the run stops on an error or a signal (idempotent:
+        the loop closes on every way out)."""
+        backends, self.backends = self.backends, []
+        for backend in backends:
+            backend.close(failed)
 
 
 def plot_curves(run_dir: Path, keys=("reward/mean", "eval/accuracy", "entropy", "ref/k3",
@@ -123,30 +120,3 @@ def plot_curves(run_dir: Path, keys=("reward/mean", "eval/accuracy", "entropy", 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of metrics.jsonl; a line that does not parse (torn by a kill mid-write) is skipped."""
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
-def _truncate_records(path: Path, keep_through: int) -> None:
-    """Rewrite ``path`` (atomically) with the records of steps <= ``keep_through``."""
-    if not path.exists():
-        return
-    kept = [r for r in read_records(path) if r.get("step", 0) <= keep_through]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.rename(path)
-
-
-def _json_number(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/inf
-    return v

@@ -17,6 +17,7 @@ from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.parallel import ParallelInfo
 from megadiv.policy.batches import SequenceBatch
 from megadiv.policy.objectives import sft_objective
+from megadiv.progress import Progress
 from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.lifecycle import NonFiniteError
@@ -68,17 +69,20 @@ def supervised_warm_start(cfg: TrainConfig, hf_dir: str, out: Path, info: Parall
     eos = tokenizer.eos_token_id
     rows = ws.sft_batch_size // info.dp_size
     micro = _largest_divisor_at_most(rows, cfg.grpo.micro_batch_size * 4)
-    for step in range(1, ws.sft_steps + 1):
-        records = [dataset[i] for i in sampler.next_batch()]
-        batch = SequenceBatch.pack(
-            [template.token_ids(r, tokenizer) for r in records],
-            [tokenizer(str(r.answer), add_special_tokens=False)["input_ids"] + [eos] for r in records], pad_id=eos)
-        metrics = policy.train_step(batch, sft_objective, micro)
-        if not math.isfinite(metrics["loss/nll"]):
-            raise NonFiniteError(f"warm start step {step}: the supervised loss is {metrics['loss/nll']} (model "
-                                 f"{hf_dir}, warm_start.sft_lr={ws.sft_lr}); check the weights and the learning rate")
-        if info.rank == 0 and (step % 25 == 0 or step in (1, ws.sft_steps)):
-            print(f"warm start {step}/{ws.sft_steps} | nll {metrics['loss/nll']:.4f}", flush=True)
+    with Progress("warm start", total=ws.sft_steps, unit="step") as bar:
+        for step in range(1, ws.sft_steps + 1):
+            records = [dataset[i] for i in sampler.next_batch()]
+            batch = SequenceBatch.pack(
+                [template.token_ids(r, tokenizer) for r in records],
+                [tokenizer(str(r.answer), add_special_tokens=False)["input_ids"] + [eos] for r in records], pad_id=eos)
+            metrics = policy.train_step(batch, sft_objective, micro)
+            if not math.isfinite(metrics["loss/nll"]):
+                raise NonFiniteError(f"warm start step {step}: the supervised loss is {metrics['loss/nll']} (model "
+                                     f"{hf_dir}, warm_start.sft_lr={ws.sft_lr}); check the weights and the learning "
+                                     f"rate")
+            bar.update()
+            if info.rank == 0 and (step % 25 == 0 or step in (1, ws.sft_steps)):
+                bar.write(f"warm start {step}/{ws.sft_steps} | nll {metrics['loss/nll']:.4f}")
     policy.save_hf(out, hf_dir)
 
 
