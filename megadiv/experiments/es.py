@@ -1,23 +1,29 @@
 """``megadiv es``: evolution-strategies meta-learning of GBMPO's 380 mirror-map parameters.
 
     megadiv es CONFIG... [key=value ...] --population P --generations G --sigma S --sigma-decay D
-               --lr A --elite-frac E --out DIR [--nproc N] [--launcher local|slurm]
+               --lr A --elite-frac E --out DIR [--init config|authors] [--projection orthant|none]
+               [--nproc N] [--launcher local|slurm]
 
 The GBMPO authors' outer loop (methods.md section 2; their public code, folder meta_es), around
-a centre phi (starting at the config's ``loss.mirror_map``). Generation g:
+a centre phi: the config's ``loss.mirror_map`` (``--init config``, the default: ours) or, as the
+authors start, numpy's ``RandomState(seed).randn(380) * 0.01`` (``--init authors``). Generation g:
 
     sigma_g = sigma * decay^g
     eps     = elites kept from the last rejected generation, then P - #elites fresh antithetic
-              pairs +e_1, -e_1, +e_2, ... ~ N(0, I) from a generator seeded seed + g
+              pairs +e_1, -e_1, +e_2, ... ~ N(0, I): the authors' stream, numpy's
+              RandomState(seed + g).randn(#pairs, 380), row k giving pair k
     f_i     = validation pass@1 of an ordinary ``megadiv train`` run whose mirror map is
               phi + sigma_g e_i (elites are not retrained: their fitness is reused)
     accept  iff mean_i f_i > the best mean so far (the first generation always is); then
               phi <- phi + lr * sum_{f_i > 0} f_i e_i / (N_success * sigma_g)   (failed runs: f = 0)
     reject  keep phi; the top max(2, even(P * elite_frac)) (e_i, f_i) become the next elites
 
-Ours, not the authors' (they do not constrain phi): every candidate and the centre are projected
-onto the nonnegative orthant, where h is convex (``loss.mirror_map.params`` refuses anything
-else); elites are capped at P - 2 so that every generation trains someone.
+Ours, not the authors': with ``--projection orthant`` (the default) every candidate and the centre
+are projected onto the nonnegative orthant, where h is convex (``loss.mirror_map.params`` refuses
+anything else); ``--projection none`` follows their unconstrained update and trains candidates with
+``loss.mirror_map.allow_nonconvex=true`` (D may then be negative). Elites are capped at P - 2 so
+that every generation trains someone. Candidates are handed to training in float64 (the authors
+round them to float32 in ``phi_to_mirror_params``).
 
 State is ``DIR/history.jsonl`` alone (one line per trained candidate): a restarted ES replays the
 generations from it, which reproduces every centre bit for bit, and continues at the first
@@ -33,11 +39,13 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
+import numpy as np
 import torch
 
 from megadiv.config import ConfigError, load_config, split_config_args
-from megadiv.divergence.mirror_map import NUM_PARAMETERS, save_vector
+from megadiv.divergence.mirror_map import INIT_SCALE, NUM_PARAMETERS, save_vector
 from megadiv.experiments.runner import run_local, run_summary, slurm_array, train_command
 from megadiv.progress import Progress
 from megadiv.trainer.config import TrainConfig
@@ -46,7 +54,8 @@ from megadiv.trainer.config import TrainConfig
 @dataclass(frozen=True)
 class ESSettings:
     """Defaults are the authors' (population 10, sigma 0.01 x 0.99 per generation, step 0.01,
-    15 meta-iterations, top 25% kept, seed 42)."""
+    15 meta-iterations, top 25% kept, seed 42) except ``init`` and ``projection`` (ours: start at
+    the config's convex map and stay in the convex orthant; ``authors`` / ``none`` are theirs)."""
 
     population: int = 10
     generations: int = 15
@@ -55,6 +64,8 @@ class ESSettings:
     lr: float = 0.01
     elite_frac: float = 0.25
     seed: int = 42
+    init: Literal["config", "authors"] = "config"
+    projection: Literal["orthant", "none"] = "orthant"
 
     def __post_init__(self):
         if self.population < 2 or self.population % 2:
@@ -63,6 +74,10 @@ class ESSettings:
             raise ConfigError("need --generations >= 1, --sigma > 0, 0 < --sigma-decay <= 1, --lr > 0")
         if not 0 <= self.elite_frac < 1:
             raise ConfigError(f"--elite-frac must lie in [0, 1), got {self.elite_frac}")
+
+    def project(self, phi: torch.Tensor) -> torch.Tensor:
+        """Onto the nonnegative orthant (ours), or unchanged (``--projection none``, the authors')."""
+        return phi.clamp_min(0) if self.projection == "orthant" else phi
 
     @property
     def elites_on_reject(self) -> int:
@@ -79,9 +94,16 @@ class ESState:
     elites: list[tuple[torch.Tensor, float]] = field(default_factory=list)
 
 
+def authors_start(seed: int, dim: int = NUM_PARAMETERS) -> torch.Tensor:
+    """The authors' starting centre (es_utils.initialize_es_state): RandomState(seed).randn(dim) * 0.01,
+    float64; about half of it is negative."""
+    return torch.from_numpy(np.random.RandomState(seed).randn(dim) * INIT_SCALE)
+
+
 def antithetic(n: int, seed: int, dim: int = NUM_PARAMETERS) -> list[torch.Tensor]:
-    """[+e_1, -e_1, +e_2, -e_2, ...], e_k ~ N(0, I_dim) in float64 from Generator(seed)."""
-    base = torch.randn(n // 2, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    """[+e_1, -e_1, +e_2, -e_2, ...] as the authors draw them (es_utils.sample_perturbations):
+    e_k = row k of RandomState(seed).randn(n // 2, dim), float64."""
+    base = torch.from_numpy(np.random.RandomState(seed).randn(n // 2, dim))
     return [s * e for e in base for s in (1.0, -1.0)]
 
 
@@ -100,7 +122,7 @@ def next_state(state: ESState, eps: list[torch.Tensor], fitness: list[float], si
     keep the centre and the top candidates as elites. Returns (state, accepted)."""
     mean = sum(fitness) / len(fitness)
     if mean > state.best_mean:
-        centre = (state.centre + settings.lr * es_gradient(eps, fitness, sigma)).clamp_min(0)  # orthant: ours
+        centre = settings.project(state.centre + settings.lr * es_gradient(eps, fitness, sigma))
         return ESState(centre, mean, []), True
     top = sorted(range(len(fitness)), key=lambda i: fitness[i])[-settings.elites_on_reject:]
     return ESState(state.centre, state.best_mean, [(eps[i], fitness[i]) for i in top]), False
@@ -145,11 +167,11 @@ class ESRun:
 
     def run(self) -> ESState:
         s = self.settings
-        state = ESState(self.cfg.loss.mirror_map.vector())
+        state = ESState(self.start())
         for g in range(s.generations):
             sigma = s.sigma * s.sigma_decay ** g
             fresh = antithetic(s.population - len(state.elites), s.seed + g)
-            params = [(state.centre + sigma * e).clamp_min(0) for e in fresh]  # orthant: ours
+            params = [s.project(state.centre + sigma * e) for e in fresh]
             fitness = self._evaluate(g, params)
             eps = [e for e, _ in state.elites] + fresh
             state, accepted = next_state(state, eps, [f for _, f in state.elites] + fitness, sigma, s)
@@ -160,6 +182,11 @@ class ESRun:
             self._write_best(state, g if accepted else None)
         plot_es(self.out)
         return state
+
+    def start(self) -> torch.Tensor:
+        """The first centre: the config's map (ours) or the authors' randn start, projected."""
+        s = self.settings
+        return s.project(authors_start(s.seed) if s.init == "authors" else self.cfg.loss.mirror_map.vector())
 
     def _evaluate(self, g: int, params: list[torch.Tensor]) -> list[float]:
         """Fitness of each candidate of generation g: from history.jsonl when already trained, else
@@ -189,7 +216,8 @@ class ESRun:
         return [self.history[(g, i)]["fitness"] for i in range(len(params))]
 
     def _train_command(self, name: str, params_file: Path) -> list[str]:
-        return train_command(self.config_args, self.out / "runs", name, [f"loss.mirror_map.params={params_file}"],
+        return train_command(self.config_args, self.out / "runs", name, [f"loss.mirror_map.params={params_file}",
+                             *(["loss.mirror_map.allow_nonconvex=true"] if self.settings.projection == "none" else [])],
                              self.nproc)
 
     def _record(self, g: int, i: int, name: str, params_file: Path, params: torch.Tensor) -> None:

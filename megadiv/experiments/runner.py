@@ -3,7 +3,7 @@
 A driver (ES, a sweep) turns each candidate into one command line, ``megadiv train`` with the
 candidate's overrides and its own ``run.output_dir``/``run.name``, and reads the run's
 ``summary.json`` when it has ended: the training loop knows nothing of the driver. Runs execute
-here one after another (:func:`run_local`) or as one SLURM job array (:func:`slurm_array`); a
+here one after another or K at a time (:func:`run_parallel`) or as one SLURM job array (:func:`slurm_array`); a
 run that died leaves no summary, which the driver records as a failure.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -30,23 +31,50 @@ def run_summary(run_dir: Path) -> dict | None:
 
 
 def run_local(command: list[str], log: Path) -> int:
-    """Run one candidate, output to ``log``. It stays in this process group, so a signal to the
-    driver (Ctrl-C, or a kill of the group) ends the candidate too; nothing trains on in the background."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as fh:
-        return subprocess.call(command, stdout=fh, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    """Run one candidate, output to ``log`` (:func:`run_parallel` with one job); its exit code."""
+    return run_parallel([(command, log)], 1, label="run")[0]
+
+
+def run_parallel(jobs: list[tuple[list[str], Path]], parallel: int, label: str) -> list[int]:
+    """Run ``(command, log)`` jobs here in order, at most ``parallel`` at a time; their exit codes.
+    The children stay in this process group, so a signal to the driver's group (Ctrl-C, a kill of
+    the group) ends them too, and if the driver alone is stopped the running ones are terminated
+    before it exits: nothing trains on in the background."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    codes: dict[int, int] = {}
+    running: dict[int, subprocess.Popen] = {}
+    pending = list(enumerate(jobs))
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                i, (command, log) = pending.pop(0)
+                log.parent.mkdir(parents=True, exist_ok=True)
+                print(f"{label}: run {i + 1}/{len(jobs)} -> {log}", flush=True)
+                with open(log, "ab") as fh:
+                    running[i] = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env)
+            for i, proc in list(running.items()):
+                if proc.poll() is not None:
+                    codes[i] = running.pop(i).returncode
+            time.sleep(0.2)
+    finally:
+        for proc in running.values():
+            proc.terminate()
+        for proc in running.values():
+            proc.wait()
+    return [codes[i] for i in range(len(jobs))]
 
 
 def slurm_array(script: Path, job_name: str, log_pattern: str, commands: dict[int, list[str]], options: str,
-                label: str) -> None:
+                label: str, max_running: int | None = None) -> None:
     """One SLURM job array whose task i runs ``commands[i]`` (one ``megadiv train`` on one node),
     submitted with ``sbatch --wait`` (returns when every task has ended). ``options`` carries
-    partition, GPUs, time, account; ``log_pattern`` is sbatch's ``--output`` (%a: the task index)."""
+    partition, GPUs, time, account; ``log_pattern`` is sbatch's ``--output`` (%a: the task index);
+    ``max_running`` throttles the array (``--array=...%K``)."""
     script.parent.mkdir(parents=True, exist_ok=True)
     cases = "\n".join(f"  {i}) exec {shlex.join(cmd)} ;;" for i, cmd in commands.items())
+    throttle = f"%{max_running}" if max_running else ""
     script.write_text(f"#!/bin/bash\n#SBATCH --job-name={job_name}\n"
-                      f"#SBATCH --array={','.join(map(str, commands))}\n"
+                      f"#SBATCH --array={','.join(map(str, commands))}{throttle}\n"
                       f"#SBATCH --output={log_pattern}\n"
                       f"cd {shlex.quote(os.getcwd())}\nexport OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}\n"
                       f"case $SLURM_ARRAY_TASK_ID in\n{cases}\nesac\n")

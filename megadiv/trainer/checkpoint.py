@@ -85,7 +85,8 @@ def check_resumed_mirror_map(loss: PolicyLossConfig, run_dir: Path) -> None:
     """A resumed run keeps its regulariser: raise ConfigError when the map pinned in ``run_dir``
     differs from the configured one (also checked by preflight, before any rank starts)."""
     path = run_dir / MIRROR_MAP
-    if loss.uses_mirror_map and path.is_file() and not torch.equal(load_vector(path), loss.mirror_map.vector()):
+    if loss.uses_mirror_map and path.is_file() and not torch.equal(
+            load_vector(path, loss.mirror_map.allow_nonconvex), loss.mirror_map.vector()):
         raise ConfigError(f"{path} (this run's mirror map) differs from loss.mirror_map={loss.mirror_map}; a "
                           f"resumed run keeps its map: set loss.mirror_map.params={path} or start a new run.name")
 
