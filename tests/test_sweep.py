@@ -2,6 +2,7 @@
 per-cell aggregation, and a real 2-cell x 2-seed sweep of tiny runs, interrupted and resumed."""
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -193,12 +194,16 @@ def test_runner_runs_k_at_a_time_and_returns_exit_codes(tmp_path):
     """K = 2: the first two jobs wait for each other (each touches a file, then waits until two
     exist), which only ends if they run together; never more than K run at once."""
     from megadiv.experiments.runner import run_parallel
+    from megadiv.progress import Progress
 
     job = ("touch {d}/start_{i}; touch {d}/run_{i}; n=$(ls {d} | grep -c '^run_'); echo $n >> {d}/concurrent; "
            "for k in $(seq 300); do [ $(ls {d} | grep -c '^start_') -ge 2 ] && break; sleep 0.1; done; "
            "[ $(ls {d} | grep -c '^start_') -ge 2 ] && echo paired > {d}/paired_{i}; rm {d}/run_{i}; exit {i}")
     jobs = [(["sh", "-c", job.format(d=tmp_path, i=i)], tmp_path / "logs" / f"{i}.log") for i in range(4)]
-    assert run_parallel(jobs, 2, label="test") == [0, 1, 2, 3]
+    log = io.StringIO()  # not a terminal: the progress prints plain lines
+    with Progress("test runs", total=len(jobs), unit="run", file=log, interval_s=0) as bar:
+        assert run_parallel(jobs, 2, label="test", progress=bar) == [0, 1, 2, 3]
+    assert bar.n == 4 and "test runs: 4/4 run (100%)" in log.getvalue()
     assert (tmp_path / "paired_0").is_file() and (tmp_path / "paired_1").is_file()
     assert max(int(x) for x in (tmp_path / "concurrent").read_text().split()) <= 2
 

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from megadiv.progress import Progress
+
 
 def train_command(config_args: list[str], output_dir: Path, name: str, overrides: list[str] = (),
                   nproc: int = 1) -> list[str]:
@@ -35,8 +37,10 @@ def run_local(command: list[str], log: Path) -> int:
     return run_parallel([(command, log)], 1, label="run")[0]
 
 
-def run_parallel(jobs: list[tuple[list[str], Path]], parallel: int, label: str) -> list[int]:
+def run_parallel(jobs: list[tuple[list[str], Path]], parallel: int, label: str,
+                 progress: Progress | None = None) -> list[int]:
     """Run ``(command, log)`` jobs here in order, at most ``parallel`` at a time; their exit codes.
+    ``progress``, if given, advances by one as each job ends (rate and ETA in runs).
     The children stay in this process group, so a signal to the driver's group (Ctrl-C, a kill of
     the group) ends them too, and if the driver alone is stopped the running ones are terminated
     before it exits: nothing trains on in the background."""
@@ -55,6 +59,8 @@ def run_parallel(jobs: list[tuple[list[str], Path]], parallel: int, label: str) 
             for i, proc in list(running.items()):
                 if proc.poll() is not None:
                     codes[i] = running.pop(i).returncode
+                    if progress is not None:
+                        progress.update()
             time.sleep(0.2)
     finally:
         for proc in running.values():

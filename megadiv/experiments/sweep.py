@@ -38,6 +38,7 @@ from pathlib import Path
 from megadiv.config import ConfigError, load_config, split_config_args, to_dict, valid_keys
 from megadiv.experiments import significance
 from megadiv.experiments.runner import run_parallel, run_summary, slurm_array, train_command
+from megadiv.progress import Progress
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.metrics import read_records
 
@@ -170,8 +171,9 @@ class Sweep:
                         {index[c.run_name(s)]: self.command(c, s) for c, s in todo}, self.slurm, "sweep",
                         max_running=self.parallel if self.parallel > 1 else None)
             return
-        run_parallel([(self.command(c, s), self.out / "logs" / f"{c.run_name(s)}.log") for c, s in todo],
-                     self.parallel, label="sweep")
+        with Progress("sweep runs", total=len(todo), unit="run") as bar:
+            run_parallel([(self.command(c, s), self.out / "logs" / f"{c.run_name(s)}.log") for c, s in todo],
+                         self.parallel, label="sweep", progress=bar)
 
     # ------------------------------------------------------------------ results
 
