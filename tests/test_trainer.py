@@ -98,7 +98,8 @@ def test_two_grpo_steps_end_to_end(tmp_path, layout):
                                timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     report = json.loads((run_dir / "eval.json").read_text())
-    assert report["max_new_tokens"] == 4 and report["results"]["arithmetic:test"]["n"] == 10
+    split = report["results"]["arithmetic:test"]
+    assert split["max_new_tokens"] == 4 and split["n"] == 10
     assert "arithmetic:test" in evaluated.stdout and "pass@1" in evaluated.stdout
 
 
