@@ -1,6 +1,6 @@
 """Logits at the response positions only (megadiv.models.output.logits_at): where the model input
 points in the model's layout, and the policy's losses and gradients equal those of the output
-layer applied to every position, at TP=2 with sequence parallelism, DP=2 (TP=1) and PP=2."""
+layer applied to every position, at TP=2 (also with sequence parallelism), DP=2 (TP=1) and PP=2."""
 from __future__ import annotations
 
 import pytest
@@ -86,7 +86,7 @@ def test_response_logits_train_like_full_logits(runs, name):
             assert new["grads"].keys() == full["grads"].keys()
             for k, g in full["grads"].items():
                 torch.testing.assert_close(new["grads"][k], g, rtol=0, atol=GRAD_ATOL,
-                                           msg=lambda m, k=k: f"{name} rank {rank} {config} {k}: {m}")
+                                           msg=lambda m, k=k, rank=rank, config=config: f"{name} rank {rank} {config} {k}: {m}")
                 worst["grad_abs"] = max(worst["grad_abs"], float((new["grads"][k] - g).abs().max()))
             assert sum(float(g.abs().sum()) for g in full["grads"].values()) > 0
     print(f"\n{name}: response-only vs full logits, largest differences {worst}")

@@ -3,6 +3,9 @@ against the output layer applied to every position and the response positions pi
 (what the policy computed before), on real megatron-core (gloo), the same weights and rows."""
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager, nullcontext
+
 import torch
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
@@ -13,10 +16,11 @@ from megadiv.policy.batches import ModelInput, SequenceBatch
 from megadiv.policy.megatron import Policy
 from megadiv.policy.objectives import grpo_objective
 
-# name -> ParallelConfig fields; all three run in one 2-rank launch, one after the other
-LAYOUTS = {"tp2-sp": dict(tensor_parallel=2, sequence_parallel=True),
+# name -> ParallelConfig fields; all run in one 2-rank launch, one after the other
+LAYOUTS = {"tp2": dict(tensor_parallel=2),
            "dp2": dict(),
-           "pp2": dict(pipeline_parallel=2, stage_layers=[2, 1])}
+           "pp2": dict(pipeline_parallel=2, stage_layers=[2, 1]),
+           "tp2-sp": dict(tensor_parallel=2, sequence_parallel=True)}
 ROWS, BUDGET, ROW_CAP, MBS = 8, 96, 4, 2
 SGD = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)  # unclipped: the gradients are the loss's own
 
@@ -30,6 +34,28 @@ class FullLogitsPolicy(Policy):
         if not unwrap(model).post_process:
             return out
         return out.transpose(0, 1).flatten(0, 1)[x.index][None]  # megatron's [s, b] order, then the n rows
+
+
+@contextmanager
+def norms_under_sequence_parallelism():
+    """Megatron's local spec refuses sequence parallelism for its torch norms (WrappedTorchNorm),
+    because it would not all-reduce their weights' gradients over TP; on CPU there is no other
+    norm. Built here as if SP were off, they normalise each token as they should, and both paths
+    compared share them: what differs, the output layer's rows, sits after them."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    new = WrappedTorchNorm.__new__
+
+    def without_sp(cls, config, *args, **kwargs):
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        return new(cls, config, *args, **kwargs)
+
+    WrappedTorchNorm.__new__ = without_sp
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = new
 
 
 def batch() -> SequenceBatch:
@@ -48,8 +74,9 @@ def _run(policy_cls, model: ModelConfig, parallel: ParallelConfig, rows: Sequenc
     rank), with and without a full-vocabulary regulariser."""
     micro = dict(temperature=0.7, max_tokens_per_micro_batch=budget)
     mbs = MBS if budget is None else ROW_CAP
-    reference = policy_cls(model, parallel, "reference", **micro)
-    actor = policy_cls(model, parallel, "actor", SGD, total_steps=1, **micro)
+    with norms_under_sequence_parallelism() if parallel.sequence_parallel else nullcontext():
+        reference = policy_cls(model, parallel, "reference", **micro)
+        actor = policy_cls(model, parallel, "actor", SGD, total_steps=1, **micro)
     rows = rows.rows(slice(0, len(rows)))
     rows.logp_ref = reference.log_probs(rows, mbs)
     logp_old = actor.log_probs(rows, mbs)
