@@ -46,21 +46,21 @@ def runs(tmp_path_factory):
     return run_torchrun("tests.dist.response_logits:response_vs_full", 2, timeout_s=900, args={"hf_dir": str(hf_dir)})
 
 
-# Observed, response-only vs every position (float32 weights; the paths differ in the shape of the
-# output layer's matmul alone): log-probs and metrics equal to the last bit or within ~1e-7
-# relative, gradients within ~1e-8 absolute.
+# Observed, response-only vs every position (float32 weights): log-probs bit-identical, metrics
+# <= 7.7e-7 relative; gradients <= 4.2e-7 absolute (the tied output weight's, a sum over the rows
+# the output layer saw: n rows here, every position there, zeros included, in another order).
 # (float64 is out of reach here: megadiv's Megatron models are float32 or half, and the log-probs
 # upcast to float32.)
 METRIC_TOL = dict(rel=1e-6, abs=1e-9)
-LOGP_ATOL, GRAD_ATOL = 1e-6, 1e-7
+LOGP_ATOL, GRAD_ATOL = 1e-7, 1e-6
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_response_logits_train_like_full_logits(runs, name):
     """Reference and old log-probs, the losses, KL, entropy, clip fractions, the regulariser and the
-    gradient norm of one SGD step, and every gradient of every rank, padded and under a token
-    budget (a padded micro-batch without any response position among them)."""
+    gradient norm of two SGD steps, and every gradient of every rank at the second, padded and
+    under a token budget (a padded micro-batch without any response position among them)."""
     worst = {"metric_rel": 0.0, "logp_abs": 0.0, "grad_abs": 0.0}
     for rank, r in enumerate(runs):
         out = r[name]
@@ -69,13 +69,16 @@ def test_response_logits_train_like_full_logits(runs, name):
         assert configs == [(None, None), (BUDGET, None)] + ([(None, "full_prob_l2")] if name != "pp2" else [])
         for config in configs:
             new, full = out[config]["response"], out[config]["full"]
-            m_new, m_full = new["metrics"], full["metrics"]
             keys = ("loss/total", "loss/policy", "loss/kl", "entropy", "grad_norm", "clip/frac_low",
                     "clip/frac_high") + (("loss/regularizer",) if config[1] else ())
-            for key in keys:
-                assert m_new[key] == pytest.approx(m_full[key], **METRIC_TOL), (name, rank, config, key)
-                worst["metric_rel"] = max(worst["metric_rel"], abs(m_new[key] - m_full[key]) / max(abs(m_full[key]), 1e-9))
-            assert m_full["grad_norm"] > 0 and m_full["loss/kl"] > 0 and m_full["clip/frac_low"] + m_full["clip/frac_high"] > 0
+            for step, (m_new, m_full) in enumerate(zip(new["steps"], full["steps"], strict=True)):
+                for key in keys:
+                    assert m_new[key] == pytest.approx(m_full[key], **METRIC_TOL), (name, rank, config, step, key)
+                    worst["metric_rel"] = max(worst["metric_rel"],
+                                              abs(m_new[key] - m_full[key]) / max(abs(m_full[key]), 1e-9))
+            later = full["steps"][1]  # the actor has left the reference: KL and regulariser at work
+            assert later["grad_norm"] > 0 and later["loss/kl"] > 0 and later["clip/frac_low"] + later["clip/frac_high"] > 0
+            assert later.get("loss/regularizer", 1.0) > 0
             if out["last_stage"]:
                 for key in ("logp_ref", "logp_old"):
                     torch.testing.assert_close(new[key], full[key], rtol=0, atol=LOGP_ATOL)

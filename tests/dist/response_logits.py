@@ -70,8 +70,9 @@ def batch() -> SequenceBatch:
 
 
 def _run(policy_cls, model: ModelConfig, parallel: ParallelConfig, rows: SequenceBatch, budget, regularizer) -> dict:
-    """Reference and old log-probs, one unclipped SGD step (its metrics and every gradient of this
-    rank), with and without a full-vocabulary regulariser."""
+    """Reference and old log-probs, two unclipped SGD steps (their metrics, and every gradient of
+    this rank at the second, where the actor has moved away from the reference: KL and regulariser
+    > 0), with and without a full-vocabulary regulariser."""
     micro = dict(temperature=0.7, max_tokens_per_micro_batch=budget)
     mbs = MBS if budget is None else ROW_CAP
     with norms_under_sequence_parallelism() if parallel.sequence_parallel else nullcontext():
@@ -84,9 +85,10 @@ def _run(policy_cls, model: ModelConfig, parallel: ParallelConfig, rows: Sequenc
     loss = PolicyLossConfig(policy_loss="clip", kl_coef=0.1, regularizer=regularizer,
                             regularizer_coef=0.5 if regularizer else 0.0)
     vocab_div = DIVERGENCES[regularizer](consume_base=True) if regularizer else None
-    metrics = actor.train_step(rows, grpo_objective(loss), mbs, regularizer=vocab_div, reference=reference)
+    steps = [actor.train_step(rows, grpo_objective(loss), mbs, regularizer=vocab_div, reference=reference)
+             for _ in range(2)]
     grads = {name: p.main_grad.clone() for name, p in actor.chunks[0].named_parameters()}
-    return {"metrics": metrics, "logp_ref": rows.logp_ref, "logp_old": logp_old, "grads": grads}
+    return {"steps": steps, "logp_ref": rows.logp_ref, "logp_old": logp_old, "grads": grads}
 
 
 def response_vs_full(ctx):
