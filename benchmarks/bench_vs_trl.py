@@ -158,10 +158,11 @@ def trl_worker(spec_path: str) -> None:
     trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                     processing_class=tokenizer, callbacks=[StepClock()])
     trainer.train()
-    rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+    logged = [r for r in trainer.state.log_history if "reward" in r]  # one record per step (logging_steps=1)
     after = _held_out_accuracy(trainer.model, tokenizer, *held_out) if spec["eval_prompts"] else None
     steps = [{"step": i + 1, "step_s": s, "gen_s": gen_seconds.get(i + 1, 0.0),
-              "reward": rewards[i] if i < len(rewards) else None} for i, s in enumerate(step_seconds)]
+              "reward": logged[i]["reward"], "trl_step_time": logged[i].get("step_time")}
+             for i, s in enumerate(step_seconds)]
     Path(spec["result"]).write_text(json.dumps({
         "steps": steps, "accuracy_before": before, "accuracy_after": after,
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}}))
