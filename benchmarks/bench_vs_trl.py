@@ -420,7 +420,8 @@ def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def bench(name: str, args, work: Path) -> dict:
+def bench(name: str, args, work: Path, save) -> dict:
+    """The workload's runs; ``save(partial)`` after each, so an interrupted benchmark keeps its data."""
     wl = {**workload(name, args), "name": name}
     runs = [(system, layout) for layout in args.layouts for system in args.systems
             if layout in (MEGADIV_LAYOUTS[name] if system == "megadiv" else TRL_LAYOUTS)]
@@ -445,6 +446,7 @@ def bench(name: str, args, work: Path) -> dict:
             result = launch(system, wl, layout, args.steps, args.held_out > 0,
                             work / f"{name}-r{round_}-{system}-{layout}", args)
             results[system, layout].append(result)
+            save({"runs": {f"{s} {lay}": results[s, lay] for s, lay in runs}, "megadiv_config": wl["megadiv"]})
             done += 1
             step_s = statistics.median(s["step_s"] for s in result["steps"])
             eta = (time.perf_counter() - start) / done * (total - done)
@@ -494,9 +496,10 @@ def main() -> None:
             wl_args.held_out = (500 if name == "a" else 4 if args.quick else 20) if args.held_out is None else \
                 args.held_out
             wl_args.probe = name == "b" if args.probe is None else args.probe
-            out["workloads"][name] = bench(name, wl_args, work)
-            out["load_after"] = load()
-            args.json.write_text(json.dumps(out, indent=1))
+            def save(partial, name=name):
+                out["workloads"][name], out["load_after"] = partial, load()
+                args.json.write_text(json.dumps(out, indent=1))
+            save(bench(name, wl_args, work, save))
     print(f"wrote {args.json}")
 
 
