@@ -165,6 +165,22 @@ class EmbeddedEngine:
     def weight_version(self) -> str:
         return self._version
 
+    def serve(self, group) -> None:
+        """A rank other than 0 of a RankSplitEngine's ``group``: generate this rank's slice of each
+        of rank 0's calls until it releases the ranks. A failure is sent to rank 0, which raises it
+        naming this rank."""
+        while True:
+            box = [None]
+            dist.scatter_object_list(box, None, src=0, group=group)
+            if box[0] is None:
+                return
+            prompts, params, seed, first = box[0]
+            try:
+                out = self.generate(prompts, params, seed=seed, first_prompt=first) if prompts else []
+            except Exception as e:  # handed to rank 0 (as a RolloutError: always picklable), which raises it
+                out = RolloutError(f"{type(e).__name__}: {e}")
+            dist.gather_object(out, None, dst=0, group=group)
+
     def shutdown(self) -> None:
         self.model = None
         self._params = {}
@@ -251,7 +267,7 @@ class RankSplitEngine:
     """Rank 0's engine when embedded generation is spread over the trainer's ranks: every rank of
     ``group`` holds an EmbeddedEngine; a generate call draws one seed, sends each rank a contiguous
     slice of the prompts (sizes differing by at most one, rank 0 first) and gathers the slices
-    back in prompt order; the other ranks answer in :func:`serve_generation` until :meth:`release`.
+    back in prompt order; the other ranks answer in :meth:`EmbeddedEngine.serve` until :meth:`release`.
     By the row seeds the result equals one engine's generate(prompts, params, seed=seed).
 
     score, weight updates, pause and the version are rank 0's own engine's: every rank updates its
@@ -277,7 +293,7 @@ class RankSplitEngine:
         return [group for part in gathered for group in part]
 
     def release(self) -> None:
-        """End the other ranks' serve_generation (after the last generate call of a phase)."""
+        """End the other ranks' EmbeddedEngine.serve (after the last generate call of a phase)."""
         dist.scatter_object_list([None], [None] * self.world, src=0, group=self.group)
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -298,19 +314,3 @@ class RankSplitEngine:
 
     def shutdown(self) -> None:
         self.local.shutdown()
-
-
-def serve_generation(engine: EmbeddedEngine, group) -> None:
-    """A rank other than 0: generate this rank's slice of each of rank 0's calls until it releases
-    them. A failure is sent to rank 0, which raises it naming this rank."""
-    while True:
-        box = [None]
-        dist.scatter_object_list(box, None, src=0, group=group)
-        if box[0] is None:
-            return
-        prompts, params, seed, first = box[0]
-        try:
-            out = engine.generate(prompts, params, seed=seed, first_prompt=first) if prompts else []
-        except Exception as e:  # handed to rank 0 (as a RolloutError: always picklable), which raises it
-            out = RolloutError(f"{type(e).__name__}: {e}")
-        dist.gather_object(out, None, dst=0, group=group)

@@ -3,7 +3,7 @@
 The other ranks never touch the reward workers; they receive the rows to train on (grpo.py
 broadcasts them) and take part in the weight export, which is collective. With the embedded
 engine (and no overlap) every rank generates: each holds an EmbeddedEngine, rank 0's
-``RankSplitEngine`` sends every rank a slice of each generate call, and the others serve it in
+RankSplitEngine sends every rank a slice of each generate call, and the others serve it in
 ``RolloutWorker.serve`` until rank 0 releases them (``generation_group``; docs/rollout.md).
 
 One-step off-policy (``grpo.overlap``): ``collect_ahead(k + 1)`` generates, grades and shapes batch
@@ -31,7 +31,6 @@ from megadiv.evaluation import EvalSampling, EvalSuite, accuracy, default_reward
 from megadiv.rewards import build_reward
 from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine, resolve_engine_name
 from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.embedded import RankSplitEngine, serve_generation
 from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience, build_experience, concat, informative_groups, take_groups
@@ -84,9 +83,8 @@ class RolloutDriver:
             eval_data, [cfg.reward] * (cfg.eval.data is not None) + [default_reward(d.name, cfg.reward)
                                                                      for d in cfg.eval.extra_data],
             tokenizer, shared={cfg.reward: self.reward})
-        self.engine = make_engine(cfg.rollout, hf_dir, trainer_memory)  # after the models: see place_server
-        if group is not None:  # generation_group: every rank generates a slice of each call
-            self.engine = RankSplitEngine(self.engine, group)
+        self.engine = make_engine(cfg.rollout, hf_dir, trainer_memory, group)  # after the models: place_server
+        self._split = group is not None  # generation_group: every rank generates a slice of each call
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.served_step = 0  # the trainer step whose weights the engine serves (0: the starting ones)
         self._ahead: Future | None = None  # the next batch, in flight or done (grpo.overlap)
@@ -181,7 +179,7 @@ class RolloutDriver:
 
     def release(self) -> None:
         """End a rollout phase (collect, evaluate): the other ranks stop serving generation."""
-        if isinstance(self.engine, RankSplitEngine):
+        if self._split:
             self.engine.release()
 
     def push_weights(self, buckets, step: int, share: bool = False) -> dict[str, float]:
@@ -221,11 +219,11 @@ class RolloutWorker:
     generates its slice of rank 0's calls and serves the weights of this rank's own export."""
 
     def __init__(self, cfg: TrainConfig, hf_dir: str, group):
-        self.engine, self.group = make_engine(cfg.rollout, hf_dir), group
+        self.engine, self.group = make_engine(cfg.rollout, hf_dir, group=group), group
 
     def serve(self) -> None:
         """Generate this rank's slices of rank 0's calls until rank 0 releases the ranks."""
-        serve_generation(self.engine, self.group)
+        self.engine.serve(self.group)
 
     def push_weights(self, buckets, step: int, share: bool = False) -> dict[str, float]:
         self.engine.update_weights(buckets, version_name(step), share=share)

@@ -24,7 +24,7 @@ from megadiv.policy.batches import SequenceBatch
 from megadiv.policy.megatron import Policy
 from megadiv.policy.objectives import grpo_objective
 from megadiv.rollout import ProbeBatch, RolloutConfig, RolloutError, SamplingParams, check_mismatch
-from megadiv.rollout.embedded import EmbeddedEngine, RankSplitEngine, draw_seed, serve_generation
+from megadiv.rollout.embedded import EmbeddedEngine, RankSplitEngine, draw_seed
 
 PROMPTS = [[5, 17, 33, 8], [40, 41], [9, 60, 61, 62, 63, 64, 70], [3, 3, 3], [77, 12, 6, 1, 90]]  # 3 + 2 over ranks
 PARAMS = SamplingParams(n=3, temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=6)
@@ -87,7 +87,7 @@ def _split_checks(local: EmbeddedEngine, group, rank: int, out: dict, key: str) 
                     "lp_diff": _lp_diff(together, alone), "greedy_equal": _content(greedy_split)[0] == _content(greedy_alone)[0],
                     "versions": {c.weight_version for g in together for c in g}, "failure": failure}
     else:
-        serve_generation(local, group)
+        local.serve(group)
 
 
 def engines_on_every_rank(ctx):
