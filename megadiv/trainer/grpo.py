@@ -226,12 +226,12 @@ def _push_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None,
 
 def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, worker: RolloutWorker | None,
                   probe: ProbeBatch, step: int) -> dict:
-    """Push the actor's weights to the engines, then, every grpo.check_mismatch_every steps,
-    compare each engine's log-probs with the trainer's on the probe batch (every rank with an
-    engine checks its own: a failing rank raises)."""
+    """Push the actor's weights to the engines, then, at step 1 and every grpo.check_mismatch_every
+    steps, compare each engine's log-probs with the trainer's on the probe batch (every rank with
+    an engine checks its own: a failing rank raises)."""
     metrics = _push_weights(cfg, actor, driver, worker, step)
     every = cfg.grpo.check_mismatch_every
-    if every and step % every == 0:
+    if every and (step == 1 or step % every == 0):  # step 1: a wrong mapping shows at once
         trainer_lp = _probe_logprobs(actor, probe)
         rollout = driver or worker
         if rollout:
