@@ -124,6 +124,7 @@ def test_generation_split_over_the_ranks_equals_one_engine(ranks, layout):
     assert r["tokens_equal"] and r["greedy_equal"] and r["lp_diff"] < 1e-5
     assert r["versions"] == {"step-1"}  # rank 1's completions carry its own engine's version
     assert r["failure"] is not None and "rank 1" in r["failure"]
+    assert r["own_failure"] == "IndexError" and r["recovered"]
 
 
 def test_every_rank_engine_at_tp2_is_a_full_copy_that_passes_the_probe(ranks):

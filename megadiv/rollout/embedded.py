@@ -284,9 +284,15 @@ class RankSplitEngine:
         slices = split_evenly(len(prompts), self.world)
         requests = [(list(prompts[s]), params, seed, s.start) for s in slices]
         dist.scatter_object_list([None], requests, src=0, group=self.group)
-        out = self.local.generate(requests[0][0], params, seed=seed)  # slice 0 is never empty
+        failure = None
+        try:
+            out = self.local.generate(requests[0][0], params, seed=seed)  # slice 0 is never empty
+        except Exception as e:  # raised after the gather, so that the other ranks are back in serve()
+            out, failure = None, e
         gathered = [None] * self.world
         dist.gather_object(out, gathered, dst=0, group=self.group)
+        if failure is not None:
+            raise failure
         for rank, part in enumerate(gathered):
             if isinstance(part, BaseException):
                 raise RolloutError(f"embedded generation on rank {rank} failed: {part}") from part

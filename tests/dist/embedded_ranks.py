@@ -10,7 +10,8 @@ One launch, two ranks, two layouts in turn (TP=1 x DP=2, then TP=2):
   leaves the actor untouched.
 - both layouts: RankSplitEngine over the two ranks (rank 1 serving) gives what one engine gives
   for the same seed, with an uneven split; each rank's engine passes the probe against the
-  trainer; a failure on rank 1 comes back to rank 0 as a RolloutError naming it.
+  trainer; a failure on rank 1 comes back to rank 0 as a RolloutError naming it, one on rank 0
+  raises as is, and the ranks go on serving.
 """
 from __future__ import annotations
 
@@ -82,10 +83,17 @@ def _split_checks(local: EmbeddedEngine, group, rank: int, out: dict, key: str) 
             failure = None
         except RolloutError as e:
             failure = str(e)
+        try:
+            split.generate([[10 ** 6]] + PROMPTS[1:], PARAMS)  # rank 0's own prompt fails: its error, as is
+            own = None
+        except Exception as e:
+            own = type(e).__name__
+        recovered = len(split.generate(PROMPTS, PARAMS)) == len(PROMPTS)  # rank 1 is serving again
         split.release()
         out[key] = {"tokens_equal": _content(together)[0] == _content(alone)[0],
                     "lp_diff": _lp_diff(together, alone), "greedy_equal": _content(greedy_split)[0] == _content(greedy_alone)[0],
-                    "versions": {c.weight_version for g in together for c in g}, "failure": failure}
+                    "versions": {c.weight_version for g in together for c in g}, "failure": failure,
+                    "own_failure": own, "recovered": recovered}
     else:
         local.serve(group)
 
