@@ -245,6 +245,11 @@ class DeepSpeedPolicy:
                 copies = [(name, p.detach().clone()) for name, p in bucket]
             yield copies
 
+    def hf_weight_views(self) -> None:
+        """None: the embedded engine keeps a copy (a ZeRO engine's parameters may be partitioned,
+        flattened or of another dtype than the engine's; sharing them is not implemented)."""
+        return None
+
     def _buckets(self, bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
         buckets, size = [[]], 0
         for name, p in self.module.named_parameters():

@@ -274,6 +274,18 @@ class Policy:
 
         return iter_hf_weight_buckets(self.model, bucket_bytes)
 
+    def hf_weight_views(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The HF tensors as views of this rank's parameters where the layout allows, without
+        communication (models.export.hf_weight_views), when this rank holds the whole model
+        (TP = PP = 1); None otherwise. What the embedded engine shares instead of a copy."""
+        from megatron.core import parallel_state
+
+        from megadiv.models.export import hf_weight_views
+
+        whole = (parallel_state.get_tensor_model_parallel_world_size() == 1
+                 and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+        return hf_weight_views(self.model) if whole else None
+
     def save_hf(self, out, template_dir: str, replace: bool = False) -> None:
         """Write the policy as a Hugging Face checkpoint (collective; rank 0 writes)."""
         from megadiv.models.convert import write_hf_checkpoint
