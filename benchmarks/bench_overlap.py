@@ -177,7 +177,7 @@ def probe(args: argparse.Namespace, tmp: Path) -> None:
     print(f"probe: median of {args.repeats} interleaved trials; wall s, training thread CPU s")
     for name, values in results.items():
         cols = [statistics.median(v[i] for v in values) for i in range(len(values[0]))]
-        print(f"  {name:52s} wall {cols[0]:.3f}" + (f"  cpu {cols[1]:.3f}" if len(cols) > 1 else ""), flush=True)
+        print(f"  {name:56s} wall {cols[0]:.3f}" + (f"  cpu {cols[1]:.3f}" if len(cols) > 1 else ""), flush=True)
 
 
 def main() -> None:
