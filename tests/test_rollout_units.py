@@ -104,7 +104,7 @@ def test_cpu_server_command_and_environment(tmp_path):
     cfg = RolloutConfig(engine="sglang", server_args=("--max-running-requests", "8"))
     cmd = launch_command("/ckpt", 31234, cfg, None)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31234" in cmd
-    for flag in ("--device", "--attention-backend", "--sampling-backend", "--skip-server-warmup"):
+    for flag in ("--device", "--attention-backend", "--sampling-backend", "--skip-server-warmup", "--sleep-on-idle"):
         assert flag in cmd
     assert cmd[-2:] == ["--max-running-requests", "8"]
     env = child_env(cuda=False)

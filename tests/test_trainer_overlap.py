@@ -24,6 +24,7 @@ from megadiv.rollout import RolloutError
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.driver import RolloutDriver
 from tests.test_trainer import hf_weights, megadiv_train, step_records
+from tests.torchrun import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,3 +130,19 @@ def test_overlap_with_the_sglang_server(tmp_path):
     for r in steps:
         assert r["sync/probe_abs_diff_mean"] < 1e-4 and r["skipped"] == 0 and r["grad_norm"] > 0
         assert abs(r["tis/weight_mean"] - 1) < 0.5  # pi_old / pi_rollout over one version of a barely trained model
+
+
+def test_one_update_needs_no_forward_pass_for_the_old_log_probs(tmp_path):
+    """With one update per batch, grpo.py trains an overlapped (off-policy) batch on the training
+    forward's own log-probs, detached, as pi_old instead of a forward pass of their own: the same
+    loss, truncated importance weights, metrics and SGD step (the gradient itself) as with the pass.
+    Both passes run the same kernels on the same weights and rows: bit-identical on CPU (observed)."""
+    model = make_tiny_model(tmp_path / "m", "qwen2", tokenizer="bpe", vocab=301, hidden=64, heads=4, kv_heads=2,
+                            ffn=128, layers=2)
+    own, shared = run_torchrun("tests.dist.trainer_policy:one_update_old_logprobs", 1, timeout_s=300,
+                               args={"tp": 1, "hf_dir": str(model)})[0].values()
+    assert 0 < own["step"]["tis/truncated_frac"] < 1 and own["step"]["ratio/max"] == 1.0  # TIS at work, ratio 1
+    assert shared["step"] == own["step"]
+    assert shared["weights"].keys() == own["weights"].keys()
+    for name, w in own["weights"].items():
+        assert torch.equal(shared["weights"][name], w), name

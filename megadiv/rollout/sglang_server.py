@@ -45,11 +45,15 @@ CPU_STANDINS = Path(__file__).resolve().parent / "sglang_cpu"
 # to start when that is <= 0: with f = 0.05 a host whose free memory drops by 5% during the load
 # (other processes, the weights themselves) cannot start a server. f = 0.5 tolerates that; the pool
 # itself stays capped by --max-total-tokens.
+# --sleep-on-idle: without it the idle scheduler polls its sockets in a busy loop, a whole core
+# (measured 0.8 of one at load 17) taken from the trainer's ranks, which share the cores, during
+# every training phase; with it the scheduler blocks in zmq poll until a request arrives (generation
+# time unchanged, measured interleaved: docs/performance.md, Overlap).
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--dtype", "float32", "--mem-fraction-static", "0.5", "--max-total-tokens", "16384",
     "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-    "--grammar-backend", "none", "--skip-server-warmup",
+    "--grammar-backend", "none", "--skip-server-warmup", "--sleep-on-idle",
 )
 
 

@@ -152,10 +152,10 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     if reference is not None:
         batch.logp_ref = reference.log_probs(batch, mbs)
     kl_in_reward = cfg.loss.kl_coef > 0 and cfg.loss.kl_placement == "reward"
-    # pi_old is recomputed for several updates per batch, a KL in the reward, and off-policy batches
-    # (grpo.overlap: clip around the current weights, TIS weighs by pi_old / pi_rollout; docs/training.md);
-    # else the update is on-policy: logp.detach()
-    if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward or cfg.grpo.overlap:
+    # pi_old (the weights before this batch's first update) needs a pass of its own for several updates
+    # per batch or a KL in the reward; with one update it is the training forward's logp.detach(), the
+    # same values without the pass, on-policy and off-policy (grpo.overlap) alike (docs/training.md)
+    if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:
         batch.logp_old = actor.log_probs(batch, mbs)
     kl_metrics = {}
     if kl_in_reward:

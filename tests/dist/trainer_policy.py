@@ -74,3 +74,25 @@ def policy_steps(ctx):
                           gpt.config.recompute_num_layers),
             "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__}
     return out
+
+
+def one_update_old_logprobs(ctx):
+    """One update (SGD) on off-policy rows, as grpo.overlap trains them (rollout log-probs from other
+    weights, truncated importance weights): once with ``logp_old`` from a forward pass of its own,
+    once without (the training forward's log-probs, detached: grpo.py with one update per batch).
+    Returns each one's step metrics and weights."""
+    parallel = ParallelConfig(tensor_parallel=ctx.args["tp"])
+    initialize(parallel, seed=1)
+    model = ModelConfig(hf_dir=ctx.args["hf_dir"])
+    loss = PolicyLossConfig(policy_loss="divergence_clip", measure="k3", delta=0.01, tis_cap=2.0)
+    out = {}
+    for name in ("own_forward", "training_forward"):
+        actor = Policy(model, parallel, "actor", SGD, total_steps=1, temperature=0.7)
+        batch = _batch()
+        noise = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
+        batch.logp_rollout = (actor.log_probs(batch, micro_batch_size=2) + 0.6 * noise) * batch.loss_mask
+        if name == "own_forward":
+            batch.logp_old = actor.log_probs(batch, micro_batch_size=2)
+        out[name] = {"step": actor.train_step(batch, grpo_objective(loss), micro_batch_size=2),
+                     "weights": {n: t for bucket in actor.export_buckets(64 << 20) for n, t in bucket}}
+    return out
