@@ -303,4 +303,4 @@ def test_distributed_optimizer_key_is_honest():
     with pytest.raises(ConfigError, match="sgd"):
         OptimConfig(optimizer="sgd", distributed_optimizer=True)
     with pytest.raises(ConfigError, match="optim.distributed_optimizer"):
-        TrainConfig(model=ModelConfig(hf_dir="m", backend="deepspeed"), optim=OptimConfig(distributed_optimizer=False))
+        TrainConfig(model=ModelConfig(hf_dir=str(Path(__file__).parents[1] / "examples/hf_configs/Qwen3-1.7B"), backend="deepspeed"), optim=OptimConfig(distributed_optimizer=False))
