@@ -54,6 +54,13 @@ def _check_layout(res: dict, layout: str, families=FAMILIES):
 
 def test_tp1_logits_and_export(one):
     _check_layout(one, "tp1")
+    for family in FAMILIES + ("gqa1",):  # hf_weight_views: the exported values; views but for interleaved q/k/v
+        key = f"{family}/tp1"
+        assert one[f"views_exact/{key}"] and not one[f"export_aliases/{key}"], key
+        copies = one[f"view_copies/{key}"]
+        assert all(".self_attn." in n and n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj") for n in copies), key
+        assert bool(copies) == (one[f"query_groups/{key}"] > 1), key
+    assert one["query_groups/gqa1/tp1"] == 1 and one["query_groups/qwen2/tp1"] == 2
     assert one["padding_cols/llama/tp1"] == 128 - 101
     assert one["padding_cols/qwen3/tp1"] == 384 - 320
 

@@ -17,7 +17,7 @@ from megadiv.rollout import (
     WeightSyncError,
     resolve_engine_name,
 )
-from megadiv.rollout.fleet import split_evenly
+from megadiv.rollout.engine import split_evenly
 from megadiv.rollout.sglang_engine import resolve_sync_method
 from megadiv.rollout.sglang_server import (
     CPU_STANDINS,

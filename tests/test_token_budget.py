@@ -35,15 +35,13 @@ def test_micro_batches_keep_every_row_and_feed_each_at_its_own_width():
     parts, order = batch.by_token_budget(BUDGET, max_rows=4)
     assert sorted(order.tolist()) == list(range(len(batch)))
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens[order])
-    fed = [ModelInput.padded(p.tokens, int(row_lengths(p.loss_mask).max())) for p in parts]
+    fed = [ModelInput.padded(p, int(row_lengths(p.loss_mask).max())) for p in parts]
     assert all(x.tokens.numel() <= BUDGET for x in fed)
     padded, budget = batch.tokens.numel(), sum(x.tokens.numel() for x in fed)
     assert budget < padded / 1.5  # 8 x 36 = 288 tokens padded, 160 under the budget
-    # back to rows: the fed columns, zeros after them
-    x = fed[-1]
-    rows = x.to_rows(x.tokens.float())
-    assert rows.shape == parts[-1].tokens.shape and torch.equal(rows[:, :x.tokens.shape[1]], x.tokens.float())
-    assert rows[:, x.tokens.shape[1]:].abs().sum() == 0
+    # the fed columns of the rows, zeros after them
+    x, rows = fed[-1], parts[-1].tokens
+    assert torch.equal(x.tokens, rows[:, :x.tokens.shape[1]]) and rows[:, x.tokens.shape[1]:].abs().sum() == 0
 
 
 def test_a_row_without_response_tokens_keeps_its_place():
@@ -56,21 +54,22 @@ def test_a_row_without_response_tokens_keeps_its_place():
 
 def test_packing_concatenates_the_rows_and_unpacks_them_in_place():
     """THD: rows of 5, 1 and 3 tokens -> one row of 9 (rounded up to 12 by extending the last row),
-    positions restarting per row, cumulative lengths for Transformer Engine; values come back to
-    the rows' own positions and gradients flow through."""
-    tokens = torch.tensor([[1, 2, 3, 4, 5, 0], [6, 0, 0, 0, 0, 0], [7, 8, 9, 0, 0, 0]])
-    x = ModelInput.packed(tokens, torch.tensor([5, 1, 3]), multiple=4)
+    positions restarting per row, cumulative lengths for Transformer Engine; the response positions
+    (index) at their packed offsets, and values come back to the rows' own positions with gradients
+    flowing through (tests/test_response_logits.py: the padded layout too)."""
+    rows = SequenceBatch.pack([[1, 2, 3], [6], [7]], [[4, 5], [], [8, 9]], pad_id=0)
+    x = ModelInput.packed(rows, multiple=4)
     assert x.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0]]
     assert x.positions.tolist() == [[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5]]
     params = x.packed_seq_params
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 5, 6, 12]
     assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == 6
-    assert x.next_tokens().tolist() == [[2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0, 0]]
-    values = torch.arange(12.0, requires_grad=True)
-    rows = x.to_rows(values[None])
-    assert rows.tolist() == [[0, 1, 2, 3, 4, 0], [5, 0, 0, 0, 0, 0], [6, 7, 8, 0, 0, 0]]
-    rows.sum().backward()
-    assert values.grad.tolist() == [1.0] * 9 + [0.0] * 3
+    assert x.index.tolist() == [2, 3, 6, 7] and x.targets.tolist() == [4, 5, 8, 9]
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    back = x.to_rows(values[None])
+    assert back.tolist() == [[0, 0, 1, 2, 0], [0, 0, 0, 0, 0], [3, 4, 0, 0, 0]]
+    back.sum().backward()
+    assert values.grad.tolist() == [1.0] * 4
 
 
 def _cfg(**over):

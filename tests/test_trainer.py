@@ -20,7 +20,8 @@ CONFIG = REPO / "examples" / "tiny" / "grpo.yaml"
 # The demo config, shrunk: hidden 64, 5 warm-start steps, 4 prompts x 4 samples, 20 held-out problems.
 TINY = ["model.hidden_size=64", "model.ffn_hidden_size=128", "warm_start.sft_steps=5", "warm_start.sft_batch_size=16",
         "grpo.prompts_per_step=4", "rollout.n_samples=4", "advantage.group_size=4", "grpo.micro_batch_size=8",
-        "eval.data.max_items=20", "eval.every=1", "eval.samples=2", "checkpoint.every=1", "checkpoint.keep_last=2"]
+        "eval.data.max_items=20", "eval.every=1", "eval.samples=2", "checkpoint.every=1", "checkpoint.keep_last=2",
+        "grpo.check_mismatch_every=1"]
 
 # What the progress line and metrics.jsonl must carry every step (issue: step, reward, accuracy,
 # clip fractions, entropy, KL, response length, time split rollout/reward/train/sync).

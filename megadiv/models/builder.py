@@ -60,10 +60,11 @@ class MegatronModel:
     @property
     def gpt_models(self) -> list:
         """The GPTModels inside ``chunks``, unwrapped from Float16Module/DDP."""
-        return [_unwrap(c) for c in self.chunks]
+        return [unwrap(c) for c in self.chunks]
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside a chunk (Float16Module, DDP)."""
     from megatron.core.models.gpt import GPTModel
 
     while not isinstance(module, GPTModel):

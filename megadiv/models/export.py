@@ -76,9 +76,34 @@ def _gather_unshard(param: torch.Tensor, layout: Layout, tp: int, tp_group, arch
         shards = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(shards, local.contiguous(), group=tp_group)
     hf = unshard(layout, shards, arch)
-    # every layout but REPLICATED concatenates into new tensors; copy the replicated one so that
-    # yielded tensors never alias parameters
-    return [t.clone() for t in hf] if layout is Layout.REPLICATED else hf
+    # from one shard unshard returns views where it can: copy those, so that yielded tensors never
+    # alias parameters
+    return [t.clone() if _aliases(t, local) else t for t in hf]
+
+
+def _aliases(t: torch.Tensor, param: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
+
+
+def hf_weight_views(model) -> list[tuple[str, torch.Tensor]]:
+    """Every HF tensor of a model this rank holds whole (TP = PP = 1), from its megatron parameter
+    without communication: a view of the parameter wherever the layout allows (norms, o/down
+    projections, the embedding's first V rows, the gate and up halves of linear_fc1, q/k/v of a
+    single query group), a fresh copy otherwise (q/k/v of several query groups interleave in
+    linear_qkv: one copy of those weights per call). For the embedded engine, which serves the
+    views as its own weights (update_weights(..., share=True))."""
+    from megatron.core import parallel_state
+
+    if (parallel_state.get_tensor_model_parallel_world_size() != 1
+            or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+        raise ValueError("hf_weight_views needs the whole model on this rank (TP = PP = 1)")
+    local = dict(megatron_params(model))
+    out = []
+    for name, group in groupby(plan(model.arch), key=lambda t: t.megatron_name):
+        group = list(group)
+        hf = unshard(group[0].rule.layout, [local[name].detach()], model.arch)
+        out += [(t.hf_name, hf[t.index]) for t in group]
+    return out
 
 
 def _owner_stages(local: dict, pp_group) -> dict[str, int]:

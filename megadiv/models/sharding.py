@@ -89,15 +89,17 @@ def shard(layout: Layout, hf: Sequence, rank: int, tp: int, arch: ArchSpec, padd
 
 
 def unshard(layout: Layout, shards: Sequence[torch.Tensor], arch: ArchSpec) -> list[torch.Tensor]:
-    """The HF tensors (same order as :func:`shard` takes them) from every rank's shard, rank order."""
+    """The HF tensors (same order as :func:`shard` takes them) from every rank's shard, rank order.
+    From one shard (TP = 1) a tensor is a view of it wherever the layout allows (everything but
+    q/k/v of several query groups, which interleave): the embedded engine's shared weights."""
     if layout is Layout.REPLICATED:
         return [shards[0]]
     if layout is Layout.COLUMN:
-        return [torch.cat(list(shards), dim=0)]
+        return [_cat(shards, 0)]
     if layout is Layout.ROW:
-        return [torch.cat(list(shards), dim=1)]
+        return [_cat(shards, 1)]
     if layout is Layout.VOCAB:
-        return [torch.cat(list(shards), dim=0)[: arch.vocab_size]]
+        return [_cat(shards, 0)[: arch.vocab_size]]
     if layout is Layout.QKV:
         d, hpg = arch.head_dim, arch.heads_per_group
         qs, ks, vs = [], [], []
@@ -108,11 +110,16 @@ def unshard(layout: Layout, shards: Sequence[torch.Tensor], arch: ArchSpec) -> l
             qs.append(q.reshape(-1, *tail))
             ks.append(k.reshape(-1, *tail))
             vs.append(v.reshape(-1, *tail))
-        return [torch.cat(qs), torch.cat(ks), torch.cat(vs)]
+        return [_cat(qs, 0), _cat(ks, 0), _cat(vs, 0)]
     if layout is Layout.GATE_UP:
         gates, ups = zip(*(s.chunk(2, dim=0) for s in shards))
-        return [torch.cat(gates), torch.cat(ups)]
+        return [_cat(gates, 0), _cat(ups, 0)]
     raise ValueError(f"unknown layout {layout}")
+
+
+def _cat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that a single part is returned as is (a view, not a copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)
 
 
 def _dim(x, i: int) -> int:

@@ -13,9 +13,11 @@ With Transformer Engine, packing goes further: a micro-batch's rows are concaten
 row of T = sum(lengths) tokens (THD layout), and attention is kept within each row by
 ``packed_seq_params`` (cumulative sequence lengths), so nothing is padded at all.
 
-Whatever the layout, per-token results come back as [b, S] rows (:meth:`ModelInput.to_rows`), so
-the loss functions see exactly the tensors of the padded path and every loss aggregation is
-unchanged (megatron.py sums numerators and denominators over micro-batches).
+Whatever the layout, the logits are computed at the positions that predict a response token
+only (the prompt's positions, most of a row when prompts are long, never reach the output layer),
+and the per-token results come back as [b, S] rows (:meth:`ModelInput.to_rows`, zeros elsewhere),
+so the loss functions see the tensors of the padded path and every loss aggregation is unchanged
+(megatron.py sums numerators and denominators over micro-batches).
 """
 from __future__ import annotations
 
@@ -58,38 +60,50 @@ def token_budget_groups(lengths: list[int], max_tokens: int, max_rows: int, mult
 
 @dataclass
 class ModelInput:
-    """What the model reads for one micro-batch of b rows of width S, and the way back to rows.
+    """What the model reads for one micro-batch of b rows of width S, and where its logits are
+    wanted: at the n positions that predict a response token (``loss_mask`` 1), the only ones a
+    loss reads. The output layer runs there alone (megadiv.models.output.logits_at).
 
     Padded: ``tokens`` [b, w], the rows cut (or padded) to width w, a multiple of the sequence
     multiple; positions 0..w-1 in every row. Packed (THD): ``tokens`` [1, T], the rows' real
     tokens one after another (T rounded up to the multiple by extending the last row: causal
     attention keeps its real positions as they were); positions restart at 0 in every row.
+
+    The n positions, row by row: ``row_of``, ``col_of`` [n] in the [b, S] rows, ``targets`` [n]
+    the tokens they predict, and ``index`` [n] the same positions in the model's hidden states
+    flattened from megatron's [s, b, h] layout (padded: t * b + row; packed: the row's offset + t).
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     rows: int                                 # b
     width: int                                # S: the rows' width in the batch
+    index: torch.Tensor
+    row_of: torch.Tensor
+    col_of: torch.Tensor
+    targets: torch.Tensor
     packed_seq_params: object | None = None   # megatron PackedSeqParams (THD) or None
-    row_of: torch.Tensor | None = None        # packed: [n] row of packed position p < n
-    col_of: torch.Tensor | None = None        # packed: [n] its column in that row
 
     @classmethod
-    def padded(cls, tokens: torch.Tensor, width: int) -> "ModelInput":
-        """[b, S] rows fed at width ``width`` (< S drops padding columns, > S adds zeros: token 0 at
-        positions no loss reads)."""
+    def padded(cls, mb: "SequenceBatch", width: int) -> "ModelInput":
+        """``mb``'s [b, S] rows fed at width ``width`` (< S drops padding columns, > S adds zeros:
+        token 0 at positions no loss reads)."""
+        tokens = mb.tokens
         cut = tokens[:, :width]
         cut = torch.nn.functional.pad(cut, (0, width - cut.shape[1])) if cut.shape[1] < width else cut
         positions = torch.arange(width, device=tokens.device).unsqueeze(0).expand_as(cut)
-        return cls(tokens=cut, positions=positions, rows=tokens.shape[0], width=tokens.shape[1])
+        row_of, col_of = (mb.loss_mask > 0).nonzero(as_tuple=True)
+        return cls(tokens=cut, positions=positions, rows=tokens.shape[0], width=tokens.shape[1],
+                   index=col_of * tokens.shape[0] + row_of, row_of=row_of, col_of=col_of,
+                   targets=tokens[row_of, col_of + 1])
 
     @classmethod
-    def packed(cls, tokens: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> "ModelInput":
-        """[b, S] rows with ``lengths`` [b] real tokens each, packed into [1, T] for Transformer
-        Engine's THD attention (megatron's PackedSeqParams with cumulative lengths)."""
+    def packed(cls, mb: "SequenceBatch", multiple: int = 1) -> "ModelInput":
+        """``mb``'s [b, S] rows, each of its real tokens (row_lengths), packed into [1, T] for
+        Transformer Engine's THD attention (megatron's PackedSeqParams with cumulative lengths)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        lengths = lengths.to(tokens.device)
+        tokens, lengths = mb.tokens, row_lengths(mb.loss_mask)
         real = int(lengths.sum())
         total = round_up(real, multiple)
         keep = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]  # [b, S]
@@ -101,26 +115,20 @@ class ModelInput:
         seq_lens = lengths.clone()
         seq_lens[-1] += total - real  # the rounding pads the last row
         positions[real:] = torch.arange(int(lengths[-1]), int(seq_lens[-1]), device=tokens.device)
-        cu_seqlens = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)  # [b + 1]
+        cu_seqlens = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0))  # [b + 1]
         max_len = int(seq_lens.max())
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens.to(torch.int32),
+                                 cu_seqlens_kv=cu_seqlens.to(torch.int32), max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        row_of, col_of = (mb.loss_mask > 0).nonzero(as_tuple=True)
         return cls(tokens=flat[None], positions=positions[None], rows=tokens.shape[0], width=tokens.shape[1],
-                   packed_seq_params=params, row_of=row_of, col_of=col_of)
-
-    def next_tokens(self) -> torch.Tensor:
-        """The token each position predicts, in the model's layout ([b, w] or [1, T]); the last
-        position of a row predicts padding or the next packed row: no loss reads it."""
-        return torch.cat([self.tokens[:, 1:], self.tokens[:, -1:]], dim=1)
+                   index=cu_seqlens[row_of] + col_of, row_of=row_of, col_of=col_of,
+                   targets=tokens[row_of, col_of + 1], packed_seq_params=params)
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-position values in the model's layout ([b, w'] or [1, T'], w' >= w: the logits'
-        width) -> [b, S] rows, zeros past each row's fed tokens; differentiable."""
-        if self.packed_seq_params is None:
-            values = values[:, :min(self.tokens.shape[1], self.width)]
-            return torch.nn.functional.pad(values, (0, self.width - values.shape[1]))
+        """Values at the n positions ([n], or [1, n] as the logits come) -> [b, S] rows, zeros at
+        every other position; differentiable."""
         rows = values.new_zeros(self.rows, self.width)
-        return rows.index_put((self.row_of, self.col_of), values[0, :self.row_of.numel()])
+        return rows.index_put((self.row_of, self.col_of), values.reshape(-1))
 
 
 @dataclass

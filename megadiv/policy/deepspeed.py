@@ -10,6 +10,10 @@ gradients and the parameters over the data-parallel ranks (= all ranks); stage 3
 layer's parameters for its forward and backward, and the weight export gathers them bucket by
 bucket, never the whole model.
 
+The output layer runs from a micro-batch's first position that predicts a response token to the
+end of the rows (Hugging Face's ``logits_to_keep``): the prompt positions before it, most of a row
+when prompts are long, get no logits.
+
 Loss scaling, as Megatron's per-token loss: with N_m the numerator of micro-batch m on rank r and
 D_m its denominator (tokens, sequences or B * L, depending on ``loss_agg``), the gradient is
 
@@ -124,21 +128,26 @@ class DeepSpeedPolicy:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, s, V] logits of right-padded rows (causal attention: padding never reaches the
-        positions before it, as in megatron's forward without an attention mask)."""
-        return self.engine(input_ids=tokens, use_cache=False).logits
+    def _logits(self, mb: SequenceBatch) -> torch.Tensor:
+        """[b, k, V] logits of the last k positions of ``mb``'s right-padded rows, from the first
+        that predicts a response token on (causal attention: padding never reaches the positions
+        before it, as in megatron's forward without an attention mask)."""
+        return self.engine(input_ids=mb.tokens, use_cache=False, logits_to_keep=_response_span(mb.loss_mask)).logits
 
     def _token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
                          inplace_backward: bool = False):
-        """log p(tokens[t+1] | tokens[:t+1]) and entropy, [b, s]; the last position (no next
-        token) gets the last token as a target and is masked by every loss."""
-        target = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+        """log p(tokens[t+1] | tokens[:t+1]) and entropy as [b, s] rows from the logits [b, k, V] of
+        the last k positions; 0 before them. The last position (no next token) gets the last token
+        as a target and is masked by every loss."""
+        k = logits.shape[1]
+        target = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)[:, -k:]
         kwargs = dict(group=None, vocab_size=self.vocab_size, chunk_size=self.log_probs_chunk,
                       inplace_backward=inplace_backward)
+        width = tokens.shape[1]
         if with_entropy:
-            return vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
-        return vocab_parallel.log_probs(logits, target, **kwargs), None
+            logp, ent = vocab_parallel.log_probs_and_entropy(logits, target, **kwargs)
+            return _rows(logp, width), _rows(ent, width)
+        return _rows(vocab_parallel.log_probs(logits, target, **kwargs), width), None
 
     def log_probs(self, batch: SequenceBatch, micro_batch_size: int,
                   temperature: float | None = None) -> torch.Tensor:
@@ -146,13 +155,14 @@ class DeepSpeedPolicy:
         every rank (collective under ZeRO-3)."""
         t = self.temperature if temperature is None else temperature
         with torch.no_grad():
-            return torch.cat([self._token_log_probs(tempered(self._logits(mb.tokens), t), mb.tokens, False)[0]
+            return torch.cat([self._token_log_probs(tempered(self._logits(mb), t), mb.tokens, False)[0]
                               for mb in (m.to(self.device) for m in batch.micro_batches(micro_batch_size))])
 
-    def logits_for(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, S, V] for ``tokens`` (on this model's device), without grad."""
+    def logits_for(self, mb: SequenceBatch) -> torch.Tensor:
+        """Logits [b, k, V] for the micro-batch ``mb`` (on this model's device) where the actor
+        computes them, without grad."""
         with torch.no_grad():
-            return self._logits(tokens)
+            return self._logits(mb)
 
     # ------------------------------------------------------------------ training
 
@@ -169,13 +179,13 @@ class DeepSpeedPolicy:
         out = []
         for i, mb in enumerate(micro):
             self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-            logits = tempered(self._logits(mb.tokens), self.temperature)
+            logits = tempered(self._logits(mb), self.temperature)
             logp, ent = self._token_log_probs(logits, mb.tokens, with_entropy=True,
                                               inplace_backward=regularizer is None)
             vocab_div = None
             if regularizer is not None:
-                vocab_div = regularizer(logits, tempered(reference.logits_for(mb.tokens), self.temperature),
-                                        vocab_size=self.vocab_size)
+                vocab_div = _rows(regularizer(logits, tempered(reference.logits_for(mb), self.temperature),
+                                              vocab_size=self.vocab_size), mb.tokens.shape[1])
             numerator, denominator, metrics = loss_fn(mb, logp, ent.detach(), vocab_div)
             self.engine.backward(numerator * scale, scale_wrt_gas=False)
             denominator = torch.as_tensor(denominator, dtype=torch.float32, device=self.device)
@@ -235,6 +245,11 @@ class DeepSpeedPolicy:
                 copies = [(name, p.detach().clone()) for name, p in bucket]
             yield copies
 
+    def hf_weight_views(self) -> None:
+        """None: the embedded engine keeps a copy (a ZeRO engine's parameters may be partitioned,
+        flattened or of another dtype than the engine's; sharing them is not implemented)."""
+        return None
+
     def _buckets(self, bucket_bytes: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
         buckets, size = [[]], 0
         for name, p in self.module.named_parameters():
@@ -280,6 +295,18 @@ class DeepSpeedPolicy:
         optim = ([f"{CHECKPOINT_TAG}/{bf16}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks]
                  if self.ds_cfg.zero_stage else [])
         return model + optim
+
+
+def _response_span(loss_mask: torch.Tensor) -> int:
+    """Positions from the first that predicts a response token in any row to the end of the rows
+    (all of them when none does): Hugging Face's ``logits_to_keep``."""
+    first = int((loss_mask > 0).any(0).int().argmax())  # 0 when no position does
+    return loss_mask.shape[1] - first
+
+
+def _rows(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, k] values of the last k positions -> [b, width] rows, zeros before them."""
+    return torch.nn.functional.pad(values, (width - values.shape[1], 0))
 
 
 def _denominator(loss_fn: "LossFn", mb: SequenceBatch, regularizer) -> torch.Tensor:

@@ -12,6 +12,10 @@ Micro-batches: ``micro_batch_size`` rows each, all padded to the batch's longest
 token budget (``max_tokens_per_micro_batch``), rows grouped by length and each micro-batch fed
 at its own longest row, or packed without padding (THD, Transformer Engine): batches.py.
 
+Logits only where a loss reads them: the last stage applies the output layer to the positions that
+predict response tokens alone (megadiv.models.output), and log-probs, entropy and full-vocabulary
+regularisers run on those logits; every other position of the [B, S] results is 0.
+
 Loss scaling (the one Megatron-specific piece): megatron runs with ``calculate_per_token_loss``,
 so each micro-batch's loss function returns an aggregation *numerator* and its share of the
 *denominator* (tokens, sequences or B * L, depending on ``loss_agg``); megatron sums both over
@@ -31,6 +35,7 @@ from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.builder import MegatronModel, build_model
+from megadiv.models.output import logits_at
 from megadiv.policy.batches import ModelInput, SequenceBatch, round_up, row_lengths
 
 if TYPE_CHECKING:
@@ -124,15 +129,14 @@ class Policy:
         if self.max_tokens is None:
             width = round_up(batch.tokens.shape[1], self.seq_multiple)
             micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
-            return micro, [ModelInput.padded(mb.tokens, width) for mb in micro], None
+            return micro, [ModelInput.padded(mb, width) for mb in micro], None
         parts, order = batch.by_token_budget(self.max_tokens, micro_batch_size, self.seq_multiple)
         micro = [mb.to(self.device) for mb in parts]
-        lengths = [row_lengths(mb.loss_mask) for mb in micro]
         if self.pack_sequences:
-            inputs = [ModelInput.packed(mb.tokens, n, self.seq_multiple) for mb, n in zip(micro, lengths)]
+            inputs = [ModelInput.packed(mb, self.seq_multiple) for mb in micro]
         else:  # the rows come longest first: the first row's length is the micro-batch's
-            inputs = [ModelInput.padded(mb.tokens, round_up(int(n[0]), self.seq_multiple))
-                      for mb, n in zip(micro, lengths)]
+            inputs = [ModelInput.padded(mb, round_up(int(row_lengths(mb.loss_mask)[0]), self.seq_multiple))
+                      for mb in micro]
         return micro, inputs, order.to(self.device)
 
     def _run_schedule(self, batch: SequenceBatch, micro_batch_size: int, loss_func, forward_only: bool,
@@ -141,15 +145,15 @@ class Policy:
         dicts (empty elsewhere) and the row order of the micro-batches (None: the batch order).
         ``loss_func(mb, x, logits, extra)`` gets the micro-batch on the model's device, its
         ModelInput ``x`` (padded to a multiple of ``seq_multiple``: FP8 / sequence-parallel shape
-        rules) and the logits shard [b, w, V/TP] (packed: [1, T, V/TP]); ``extra_forward(x)``
-        gets the ModelInput too."""
+        rules) and the logit shard [1, n, V/TP] at x's n response positions (``_forward``);
+        ``extra_forward(x)`` gets the ModelInput too."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro, inputs, order = self._micro_batches(batch, micro_batch_size)
 
         def forward_step(data_iterator, model):
             mb, x = next(data_iterator)
-            output = model(x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
+            output = self._forward(model, x)
             extra = extra_forward(x) if (extra_forward is not None and self.is_last_stage) else None
             return output, partial(loss_func, mb, x, extra=extra)
 
@@ -163,19 +167,26 @@ class Policy:
                 forward_only=forward_only)
         return out, order
 
+    @staticmethod
+    def _forward(model: torch.nn.Module, x: ModelInput) -> torch.Tensor:
+        """``model`` (one chunk) on ``x``: hidden states for the next pipeline stage, or on the
+        last stage the logit shard [1, n, V/TP] at x's n positions that predict response tokens."""
+        with logits_at(model, x.index):
+            return model(x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
+
     def _token_log_probs(self, logits: torch.Tensor, x: ModelInput, with_entropy: bool,
                          inplace_backward: bool = False):
-        """log p(tokens[t+1] | tokens[:t+1]) and entropy as [b, S] rows (x.to_rows), from the vocab
-        shard [b, w, V/TP] (packed: [1, T, V/TP]) of the tokens the model read.
+        """log p(tokens[t+1] | tokens[:t+1]) and entropy as [b, S] rows (x.to_rows: zeros but at
+        the response positions), from the vocab shard [1, n, V/TP] at x's response positions.
         ``inplace_backward`` writes the gradient into the logits' storage (as megatron's cross
-        entropy does): one [tokens, V/TP] buffer less, allowed when nothing else uses the logits."""
+        entropy does): one [n, V/TP] buffer less, allowed when nothing else uses the logits."""
         kwargs = dict(group=self.tp_group, vocab_start=self.vocab_start, vocab_size=self.model.vocab_size,
                       chunk_size=self.log_probs_chunk, inplace_backward=inplace_backward)
-        # positions past a row's end predict padding: to_rows zeroes them (and the loss masks them)
+        targets = x.targets[None]  # [1, n], as the logits
         if with_entropy:
-            logp, ent = vocab_parallel.log_probs_and_entropy(logits, x.next_tokens(), **kwargs)
+            logp, ent = vocab_parallel.log_probs_and_entropy(logits, targets, **kwargs)
             return x.to_rows(logp), x.to_rows(ent)
-        return x.to_rows(vocab_parallel.log_probs(logits, x.next_tokens(), **kwargs)), None
+        return x.to_rows(vocab_parallel.log_probs(logits, targets, **kwargs)), None
 
     def _tempered(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         return tempered(logits, self.temperature if temperature is None else temperature)
@@ -186,8 +197,8 @@ class Policy:
 
     def log_probs(self, batch: SequenceBatch, micro_batch_size: int,
                   temperature: float | None = None) -> torch.Tensor | None:
-        """[B, S] log-probs of each next token at ``temperature`` (default: the rollout's), on the
-        last pipeline stage; None on the others."""
+        """[B, S] log-probs of each response token at ``temperature`` (default: the rollout's) at
+        the position that predicts it (0 elsewhere), on the last pipeline stage; None on the others."""
         def loss_func(mb, x, logits, extra=None):
             logp, _ = self._token_log_probs(self._tempered(logits, temperature), x, with_entropy=False)
             return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), {"logp": logp}
@@ -199,10 +210,10 @@ class Policy:
         return logp if order is None else torch.empty_like(logp).index_copy_(0, order, logp)  # batch order
 
     def logits_for(self, x: ModelInput) -> torch.Tensor:
-        """Logit shard [b, w, V/TP] (packed: [1, T, V/TP]) of this rank for what the actor's
+        """Logit shard [1, n, V/TP] of this rank at the response positions of what the actor's
         schedule feeds (on this model's device), without grad (reference model at PP=1 only)."""
         with torch.no_grad():
-            return self.chunks[0](x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
+            return self._forward(self.chunks[0], x)
 
     # ------------------------------------------------------------------ training
 
@@ -263,6 +274,18 @@ class Policy:
         from megadiv.models.export import iter_hf_weight_buckets
 
         return iter_hf_weight_buckets(self.model, bucket_bytes)
+
+    def hf_weight_views(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The HF tensors as views of this rank's parameters where the layout allows, without
+        communication (models.export.hf_weight_views), when this rank holds the whole model
+        (TP = PP = 1); None otherwise. What the embedded engine shares instead of a copy."""
+        from megatron.core import parallel_state
+
+        from megadiv.models.export import hf_weight_views
+
+        whole = (parallel_state.get_tensor_model_parallel_world_size() == 1
+                 and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+        return hf_weight_views(self.model) if whole else None
 
     def save_hf(self, out, template_dir: str, replace: bool = False) -> None:
         """Write the policy as a Hugging Face checkpoint (collective; rank 0 writes)."""

@@ -4,7 +4,8 @@
   shutdown), its result types, errors and the log-prob convention
 - factory.py: ``resolve_engine_name`` and ``make_engine`` (the only module importing the engines)
 - config.py: ``RolloutConfig`` (the ``rollout`` section of the run config)
-- embedded.py: transformers in the trainer process (small models, CPU default)
+- embedded.py: transformers in the trainer process (small models, CPU default): row-seeded
+  sampling, weights shared with the actor, and `RankSplitEngine` (generation on every rank)
 - sglang_engine.py, sglang_server.py, weight_sync.py: SGLang servers, launched or attached, and
   weight sync by process-group broadcast, CUDA-IPC handles or disk
 - fleet.py: ``FleetEngine``, several servers (one SGLangEngine each): prompt groups spread over

@@ -2,7 +2,14 @@
 
 For small models and machines without a GPU (the CPU default). The HF model is kept in sync from
 the same weight buckets the SGLang engine receives: each tensor is copied into the parameter of
-the same HF name. float32 on CPU, the checkpoint's dtype on GPU.
+the same HF name, or, with ``update_weights(..., share=True)``, taken as the parameter itself (a
+view of the trainer's parameter: no copy, and no copy to refresh). float32 on CPU, the
+checkpoint's dtype on GPU.
+
+Sampling is seeded per row, not per call: row r of a call (prompt i, sample j; r = i * n + j
+counted from ``first_prompt``) draws its noise from (call seed, r, token position) alone
+(:class:`RowSeededSampler`, Gumbel-max), so the prompts of one call can be split over engines
+(:class:`RankSplitEngine`: one per trainer rank) and give the completions one engine gives.
 
 Log-probs follow the protocol's convention (megadiv.rollout.engine): from generate's raw logits
 (``output_logits``, before temperature / top-p / top-k processors) as log_softmax(logits / T).
@@ -15,6 +22,7 @@ import time
 from typing import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megadiv.rollout.config import RolloutConfig
@@ -26,6 +34,7 @@ from megadiv.rollout.engine import (
     SyncReport,
     WeightSyncError,
     check_prompts,
+    split_evenly,
 )
 
 
@@ -37,6 +46,7 @@ class EmbeddedEngine:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = "auto" if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(self.device).eval()
+        self.model.requires_grad_(False)  # the engine never trains: no graph, shared weights stay read-only
         # remove_duplicate=False: a tied lm_head.weight is listed too (the same Parameter)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         gen = self.model.generation_config
@@ -45,13 +55,19 @@ class EmbeddedEngine:
         self._pad = gen.pad_token_id if gen.pad_token_id is not None else min(self._eos, default=0)
         self._version = "default"
         self._paused = False
+        self._borrowed: set[int] = set()  # ids of parameters whose storage is a tensor given with share=True
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        from transformers import GenerationConfig
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seed: int | None = None,
+                 first_prompt: int = 0) -> list[list[Completion]]:
+        """The protocol's generate. ``seed``: the call's sampling seed (None: drawn from torch's
+        global generator, so torch.manual_seed makes a call reproducible); ``first_prompt``: the
+        index of prompts[0] in the call it is a slice of (row seeds: module docstring)."""
+        from transformers import GenerationConfig, LogitsProcessorList
 
         check_prompts(prompts)
         self._check_not_paused()
+        seed = draw_seed() if seed is None else seed
         rows = [list(p) for p in prompts for _ in range(params.n)]  # [prompt0 x n, prompt1 x n, ...]
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), self._pad, dtype=torch.long)
@@ -61,15 +77,15 @@ class EmbeddedEngine:
             mask[i, width - len(r):] = 1
         stop = self._eos | set(params.stop_token_ids)
         greedy = params.temperature == 0
+        # do_sample=False always: a sampled call picks the argmax of the tempered, truncated logits
+        # plus the rows' own Gumbel noise (an exact sample; RowSeededSampler), greedy the plain argmax
         config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens, do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy or params.top_p == 1.0 else params.top_p,  # None: no top-p warper (a sort per step)
-            top_k=None if greedy or params.top_k == -1 else params.top_k,  # None: no top-k warper
-            eos_token_id=sorted(stop), pad_token_id=self._pad,
-            output_logits=True, return_dict_in_generate=True)
+            max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=sorted(stop),
+            pad_token_id=self._pad, output_logits=True, return_dict_in_generate=True)
+        row_ids = torch.arange(first_prompt * params.n, (first_prompt + len(prompts)) * params.n)
+        processors = LogitsProcessorList([] if greedy else sampling_processors(params, seed, row_ids, width))
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=config)
+                                  generation_config=config, logits_processor=processors)
         new = out.sequences[:, width:].cpu()  # [rows, steps]
         logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (before processors)
         logp = F.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
@@ -107,7 +123,12 @@ class EmbeddedEngine:
         return out
 
     @torch.no_grad()
-    def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
+    def update_weights(self, buckets: Iterable[Bucket], version: str, share: bool = False) -> SyncReport:
+        """The protocol's update_weights; ``share=True`` takes each tensor as the parameter's storage
+        (no copy) when its dtype and device are the model's, and copies it otherwise. A shared view
+        of a trainer parameter serves the parameter's values as they change: the caller must not
+        change them while a generate or score call runs (no overlap), and the engine never writes
+        into a shared tensor (a later copy gives the parameter storage of its own again)."""
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0
         for i, bucket in enumerate(buckets):
@@ -119,11 +140,20 @@ class EmbeddedEngine:
                     raise WeightSyncError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the model's is "
                                           f"{tuple(self._params[name].shape)}")
             for name, t in bucket:
-                self._params[name].copy_(t)
+                p = self._params[name]  # tied weights: one Parameter under both names
+                if share and (t.dtype, t.device) == (p.dtype, p.device):
+                    p.data = t.detach()
+                    self._borrowed.add(id(p))
+                elif id(p) in self._borrowed:  # never copy into a tensor the trainer owns
+                    p.data = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
+                    self._borrowed.discard(id(p))
+                else:
+                    p.copy_(t)
             n_buckets, n_tensors = n_buckets + 1, n_tensors + len(bucket)
             n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         self._version = version
-        return SyncReport(version, "embedded", n_tensors, n_buckets, n_bytes, time.perf_counter() - t0)
+        return SyncReport(version, "embedded-shared" if share else "embedded", n_tensors, n_buckets, n_bytes,
+                          time.perf_counter() - t0)
 
     def pause(self) -> None:
         self._paused = True
@@ -135,12 +165,158 @@ class EmbeddedEngine:
     def weight_version(self) -> str:
         return self._version
 
+    def serve(self, group) -> None:
+        """A rank other than 0 of a RankSplitEngine's ``group``: generate this rank's slice of each
+        of rank 0's calls until it releases the ranks. A failure is sent to rank 0, which raises it
+        naming this rank."""
+        while True:
+            box = [None]
+            dist.scatter_object_list(box, None, src=0, group=group)
+            if box[0] is None:
+                return
+            prompts, params, seed, first = box[0]
+            try:
+                out = self.generate(prompts, params, seed=seed, first_prompt=first) if prompts else []
+            except Exception as e:  # handed to rank 0 (as a RolloutError: always picklable), which raises it
+                out = RolloutError(f"{type(e).__name__}: {e}")
+            dist.gather_object(out, None, dst=0, group=group)
+
     def shutdown(self) -> None:
         self.model = None
         self._params = {}
+        self._borrowed = set()
 
     def _check_not_paused(self) -> None:
         if self._paused:
             raise RolloutError("the engine is paused: call resume() before generate()/score()")
         if self.model is None:
             raise RolloutError("the engine was shut down")
+
+
+# --------------------------------------------------------------------------- seeded sampling
+
+
+def draw_seed() -> int:
+    """A call's sampling seed from torch's global generator (what torch.manual_seed fixes)."""
+    return int(torch.randint(0, 2**62, ()))
+
+
+def sampling_processors(params: SamplingParams, seed: int, row_ids: torch.Tensor, width: int) -> list:
+    """Temperature, top-k, top-p (transformers' warpers, in the order its sampling applies them),
+    then each row's Gumbel noise: the argmax of the result is a sample of the truncated softmax."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    if params.top_k != -1:
+        out.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        out.append(TopPLogitsWarper(params.top_p))
+    return out + [RowSeededSampler(seed, row_ids, width)]
+
+
+class RowSeededSampler:
+    """Adds Gumbel(0, 1) noise to each row's (processed) logits; argmax(logits + g) is a sample of
+    softmax(logits) (the Gumbel-max trick). The noise of row r at generated position t for token v
+    is a function of (seed, r, t, v) alone, so a row samples the same tokens whatever batch it is in.
+
+    The uniforms come from a counter-based hash (32-bit lowbias32 rounds, exact in int64 on any
+    device) instead of torch generators: one generator per row would cost a call per row and step."""
+
+    def __init__(self, seed: int, row_ids: torch.Tensor, width: int):
+        self.seed, self.row_ids, self.width = seed, row_ids, width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width  # position of the token being chosen, 0 first
+        u = hashed_uniforms(self.seed, self.row_ids.to(scores.device), step, scores.shape[-1])  # [rows, vocab]
+        return scores + (-torch.log(-torch.log(u))).to(scores.dtype)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), with every product below 2**49 (no int64 overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons' hash-prospector): a bijection of [0, 2**32) with full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hashed_uniforms(seed: int, rows: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[len(rows), vocab] float64 uniforms in (0, 1), a function of (seed, row, step, token) alone.
+    Each row and step gets two 32-bit keys (a bijective chain: distinct rows, distinct keys); a
+    token's value mixes both, so two rows never share a permuted copy of one noise vector."""
+    base = _mix32(_mix32(torch.tensor(seed & _M32)) ^ ((seed >> 32) & _M32))
+    k1 = _mix32(_mix32(base ^ (rows & _M32)) ^ (step & _M32))  # [rows]
+    k2 = _mix32(k1 ^ 0x9E3779B9)
+    tokens = torch.arange(vocab, device=rows.device)
+    h = _mix32(_mix32(k1[:, None] ^ tokens) ^ k2[:, None])  # [rows, vocab]
+    return (h.double() + 0.5) / 2.0**32
+
+
+# --------------------------------------------------------------------------- generation on every rank
+
+
+class RankSplitEngine:
+    """Rank 0's engine when embedded generation is spread over the trainer's ranks: every rank of
+    ``group`` holds an EmbeddedEngine; a generate call draws one seed, sends each rank a contiguous
+    slice of the prompts (sizes differing by at most one, rank 0 first) and gathers the slices
+    back in prompt order; the other ranks answer in :meth:`EmbeddedEngine.serve` until :meth:`release`.
+    By the row seeds the result equals one engine's generate(prompts, params, seed=seed).
+
+    score, weight updates, pause and the version are rank 0's own engine's: every rank updates its
+    own engine from its own export (each rank receives the whole model), and checks it with the probe."""
+
+    def __init__(self, local: EmbeddedEngine, group):
+        self.local, self.group = local, group
+        self.world = dist.get_world_size(group)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        check_prompts(prompts)
+        self.local._check_not_paused()
+        seed = draw_seed()
+        slices = split_evenly(len(prompts), self.world)
+        requests = [(list(prompts[s]), params, seed, s.start) for s in slices]
+        dist.scatter_object_list([None], requests, src=0, group=self.group)
+        failure = None
+        try:
+            out = self.local.generate(requests[0][0], params, seed=seed)  # slice 0 is never empty
+        except Exception as e:  # raised after the gather, so that the other ranks are back in serve()
+            out, failure = None, e
+        gathered = [None] * self.world
+        dist.gather_object(out, gathered, dst=0, group=self.group)
+        if failure is not None:
+            raise failure
+        for rank, part in enumerate(gathered):
+            if isinstance(part, BaseException):
+                raise RolloutError(f"embedded generation on rank {rank} failed: {part}") from part
+        return [group for part in gathered for group in part]
+
+    def release(self) -> None:
+        """End the other ranks' EmbeddedEngine.serve (after the last generate call of a phase)."""
+        dist.scatter_object_list([None], [None] * self.world, src=0, group=self.group)
+
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return self.local.score(prompts, responses)
+
+    def update_weights(self, buckets: Iterable[Bucket], version: str, share: bool = False) -> SyncReport:
+        return self.local.update_weights(buckets, version, share)
+
+    def pause(self) -> None:
+        self.local.pause()
+
+    def resume(self) -> None:
+        self.local.resume()
+
+    @property
+    def weight_version(self) -> str:
+        return self.local.weight_version
+
+    def shutdown(self) -> None:
+        self.local.shutdown()

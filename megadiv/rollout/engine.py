@@ -127,3 +127,12 @@ class RolloutEngine(Protocol):
 def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt and no empty prompt")
+
+
+def split_evenly(n: int, parts: int) -> list[slice]:
+    """``parts`` contiguous slices of range(n), sizes differing by at most one (larger first)."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -9,6 +9,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutEngine
@@ -26,12 +27,19 @@ def resolve_engine_name(cfg: RolloutConfig) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
 
 
-def make_engine(cfg: RolloutConfig, hf_dir: str, trainer_memory: TrainerMemory | None = None) -> RolloutEngine:
+def make_engine(cfg: RolloutConfig, hf_dir: str, trainer_memory: TrainerMemory | None = None,
+                group=None) -> RolloutEngine:
     """The engine ``cfg`` names, serving the checkpoint in ``hf_dir`` until the first update.
-    ``trainer_memory``: the trainer's GPU memory on this node, for servers launched beside it."""
+    ``trainer_memory``: the trainer's GPU memory on this node, for servers launched beside it.
+    ``group`` (embedded only; call on every rank of it): generation spread over its ranks, each
+    with an engine of its own: rank 0 gets the RankSplitEngine the loop talks to, the others their
+    EmbeddedEngine, whose ``serve(group)`` answers it (docs/rollout.md)."""
     if resolve_engine_name(cfg) == "embedded":
-        from megadiv.rollout.embedded import EmbeddedEngine
-        return EmbeddedEngine(hf_dir, cfg)
+        from megadiv.rollout.embedded import EmbeddedEngine, RankSplitEngine
+        engine = EmbeddedEngine(hf_dir, cfg)
+        return RankSplitEngine(engine, group) if group is not None and dist.get_rank(group) == 0 else engine
+    if group is not None:
+        raise ValueError(f"generation on every rank needs the embedded engine, not {resolve_engine_name(cfg)!r}")
     if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
         from megadiv.rollout.fleet import FleetEngine
         return FleetEngine(hf_dir, cfg, trainer_memory)

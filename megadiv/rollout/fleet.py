@@ -45,6 +45,7 @@ from megadiv.rollout.engine import (
     SyncReport,
     WeightSyncError,
     check_prompts,
+    split_evenly,
 )
 from megadiv.rollout.sglang_engine import SGLangEngine
 from megadiv.rollout.sglang_server import TrainerMemory
@@ -162,15 +163,6 @@ class FleetEngine:
         for m in self.members.values():
             m.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def split_evenly(n: int, parts: int) -> list[slice]:
-    """``parts`` contiguous slices of range(n), sizes differing by at most one (larger first)."""
-    base, extra = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (i < extra))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class _Feed:

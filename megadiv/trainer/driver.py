@@ -1,7 +1,10 @@
-"""The rollout side of a run, held by global rank 0 alone: prompts, the engine, rewards, evaluation.
+"""The rollout side of a run, held by global rank 0: prompts, the engine, rewards, evaluation.
 
-The other ranks never touch the engine or the reward workers; they receive the rows to train on
-(grpo.py broadcasts them) and take part in the weight export, which is collective.
+The other ranks never touch the reward workers; they receive the rows to train on (grpo.py
+broadcasts them) and take part in the weight export, which is collective. With the embedded
+engine (and no overlap) every rank generates: each holds an EmbeddedEngine, rank 0's
+RankSplitEngine sends every rank a slice of each generate call, and the others serve it in
+``RolloutWorker.serve`` until rank 0 releases them (``generation_group``; docs/rollout.md).
 
 One-step off-policy (``grpo.overlap``): ``collect_ahead(k + 1)`` generates, grades and shapes batch
 k+1 in a background thread, on the weights the engine serves (step k-1's), while the ranks train
@@ -13,6 +16,7 @@ server's processes; the embedded engine runs it in this process (docs/rollout.md
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -20,6 +24,7 @@ from concurrent.futures import Future
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.evaluation import EvalSampling, EvalSuite, accuracy, default_reward
@@ -45,10 +50,27 @@ def trainer_memory_for_servers(cfg: RolloutConfig, reserved_bytes: int) -> Train
     return gather_trainer_memory(reserved_bytes) if launches else None
 
 
+def generation_group(cfg: TrainConfig, world_size: int):
+    """Collective (every rank): a gloo group of all ranks when every rank generates (the embedded
+    engine, more than one rank, no grpo.overlap), else None. Not with overlap: rank 0 generates
+    in a thread while every rank trains, and the others cannot serve generation meanwhile."""
+    if resolve_engine_name(cfg.rollout) != "embedded" or world_size == 1 or cfg.grpo.overlap:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+
+
+def shares_weights(cfg: TrainConfig) -> bool:
+    """Whether the embedded engine takes the actor's parameters as its weights (views, no copy)
+    where the policy offers them (Policy.hf_weight_views: TP = PP = 1). Not with grpo.overlap:
+    the engine then generates while the optimizer changes the parameters."""
+    return resolve_engine_name(cfg.rollout) == "embedded" and not cfg.grpo.overlap
+
+
 class RolloutDriver:
     """Prompts -> completions -> rewards -> advantages, and held-out evaluation."""
 
-    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, trainer_memory: TrainerMemory | None = None):
+    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, trainer_memory: TrainerMemory | None = None,
+                 group=None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.dataset = load_dataset(cfg.data)
         self.template = PromptTemplate.resolve(cfg.data, self.dataset, tokenizer)
@@ -61,7 +83,8 @@ class RolloutDriver:
             eval_data, [cfg.reward] * (cfg.eval.data is not None) + [default_reward(d.name, cfg.reward)
                                                                      for d in cfg.eval.extra_data],
             tokenizer, shared={cfg.reward: self.reward})
-        self.engine = make_engine(cfg.rollout, hf_dir, trainer_memory)  # after the models: see place_server
+        self.engine = make_engine(cfg.rollout, hf_dir, trainer_memory, group)  # after the models: place_server
+        self._split = group is not None  # generation_group: every rank generates a slice of each call
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.served_step = 0  # the trainer step whose weights the engine serves (0: the starting ones)
         self._ahead: Future | None = None  # the next batch, in flight or done (grpo.overlap)
@@ -154,10 +177,17 @@ class RolloutDriver:
                         for key, value in accuracy(result).items()}
         return metrics
 
-    def push_weights(self, buckets, step: int) -> dict[str, float]:
-        """Serve the weights of ``step``: after the batch in flight, which the old weights finish."""
+    def release(self) -> None:
+        """End a rollout phase (collect, evaluate): the other ranks stop serving generation."""
+        if self._split:
+            self.engine.release()
+
+    def push_weights(self, buckets, step: int, share: bool = False) -> dict[str, float]:
+        """Serve the weights of ``step``: after the batch in flight, which the old weights finish.
+        ``share``: the buckets are views of the actor's parameters (embedded engine only)."""
         waited = self._finish_ahead()
-        report = self.engine.update_weights(buckets, version_name(step))
+        report = (self.engine.update_weights(buckets, version_name(step), share=True) if share
+                  else self.engine.update_weights(buckets, version_name(step)))
         self.served_step = step
         return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "time/rollout_wait": waited}
 
@@ -182,6 +212,25 @@ class RolloutDriver:
                 close()
             except Exception:  # closing must not mask the error that brought us here
                 log.exception("while closing the rollout driver")
+
+
+class RolloutWorker:
+    """A rank other than 0 when every rank generates (generation_group): its own embedded engine
+    generates its slice of rank 0's calls and serves the weights of this rank's own export."""
+
+    def __init__(self, cfg: TrainConfig, hf_dir: str, group):
+        self.engine, self.group = make_engine(cfg.rollout, hf_dir, group=group), group
+
+    def serve(self) -> None:
+        """Generate this rank's slices of rank 0's calls until rank 0 releases the ranks."""
+        self.engine.serve(self.group)
+
+    def push_weights(self, buckets, step: int, share: bool = False) -> dict[str, float]:
+        self.engine.update_weights(buckets, version_name(step), share=share)
+        return {}
+
+    def close(self) -> None:
+        self.engine.shutdown()
 
 
 def version_name(step: int) -> str:

@@ -2,7 +2,9 @@
 
 Rank 0 drives the rollout engine and the rewards (driver.py) and broadcasts each batch; every
 rank trains on its data-parallel slice through megatron's pipeline schedule (megadiv/policy/megatron.py) and
-takes part in the collective weight export that rank 0 pushes to the engine. With grpo.overlap,
+takes part in the collective weight export that rank 0 pushes to the engine. With the embedded
+engine every rank generates a slice of each batch with an engine of its own (RolloutWorker), which
+at TP = PP = 1 shares the actor's parameters instead of copying them. With grpo.overlap,
 batch k+1 is generated on step k-1's weights while the ranks train on batch k (one step off-policy).
 """
 from __future__ import annotations
@@ -27,7 +29,14 @@ from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.driver import RolloutDriver, drain, trainer_memory_for_servers
+from megadiv.trainer.driver import (
+    RolloutDriver,
+    RolloutWorker,
+    drain,
+    generation_group,
+    shares_weights,
+    trainer_memory_for_servers,
+)
 from megadiv.trainer.experience import Experience
 from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
@@ -47,7 +56,7 @@ def train(cfg: TrainConfig) -> Path:
 
 def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
     _write_run_config(cfg, run_dir, info.rank)
-    driver = logger = None
+    driver = worker = logger = None
     try:
         start_dir = starting_checkpoint(cfg, run_dir, info)
         model_cfg = ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir})
@@ -61,7 +70,9 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         memory = trainer_memory_for_servers(cfg.rollout, actor.optimizer_state_bytes())   # collective
-        driver = RolloutDriver(cfg, start_dir, tokenizer, memory) if info.rank == 0 else None
+        group = generation_group(cfg, info.world_size)                     # collective
+        driver = RolloutDriver(cfg, start_dir, tokenizer, memory, group) if info.rank == 0 else None
+        worker = RolloutWorker(cfg, start_dir, group) if group is not None and info.rank != 0 else None
         probe = ProbeBatch.random(actor.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "batch_ahead": None,
@@ -74,21 +85,20 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             state = checkpoint.load_checkpoint(latest, actor)
             if driver:
                 driver.load_state_dict(state)  # the prompt position and the batch generated ahead
-                driver.push_weights(actor.export_buckets(cfg.rollout.bucket_bytes), state["step"])
-            else:
-                drain(actor.export_buckets(cfg.rollout.bucket_bytes))
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
+        if latest is not None or shares_weights(cfg):  # the loaded weights; shared from the start (no copy)
+            _push_weights(cfg, actor, driver, worker, state["step"])
         resumed_step = state["step"]
         logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, cfg.run, to_dict(cfg),
                                resumed_step=resumed_step if latest else None)
-        if latest is None and driver:
-            state["eval_before"] = driver.evaluate()
-            logger.log(0, state["eval_before"], prefix="eval")
+        if latest is None:
+            state["eval_before"] = _rollout_phase(driver, worker, RolloutDriver.evaluate)
+            logger.log(0, state["eval_before"] or {}, prefix="eval")
 
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
             run.step, timer = step, StepTimer()
-            exp = _broadcast(driver.collect(step) if driver else None)          # generate, reward, advantage
+            exp = _broadcast(_rollout_phase(driver, worker, RolloutDriver.collect, step))  # generate, reward, adv.
             if driver and cfg.grpo.overlap and step < cfg.grpo.steps:            # overlap: batch step+1 on
                 driver.collect_ahead(step + 1)                                   # step-1's weights, meanwhile
             with timer("train"):
@@ -97,8 +107,9 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                 metrics["mirror_map/fingerprint"] = checkpoint.check_mirror_map(cfg.loss, mirror_map)
             state = _guard(cfg, state, metrics, step)                           # skip / abort on NaN
             with timer("sync"):
-                sync = _sync_weights(cfg, actor, driver, probe, step)           # (batch ahead done) push, probe
-            evaluated = driver.evaluate() if driver and cfg.eval.every and step % cfg.eval.every == 0 else {}
+                sync = _sync_weights(cfg, actor, driver, worker, probe, step)   # (batch ahead done) push, probe
+            evaluates = cfg.eval.every and step % cfg.eval.every == 0
+            evaluated = (_rollout_phase(driver, worker, RolloutDriver.evaluate) or {}) if evaluates else {}
             logger.log(step, exp.metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
             if driver:
@@ -111,7 +122,7 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                             f"run directory: {run_dir}")
             return run_dir
 
-        after = driver.evaluate() if driver else {}
+        after = _rollout_phase(driver, worker, RolloutDriver.evaluate) or {}
         if cfg.checkpoint.export_hf:
             checkpoint.export_hf(run_dir, actor, start_dir, state["step"], retrained=state["step"] > resumed_step)
         if driver:
@@ -125,8 +136,9 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
     finally:
         if logger:
             logger.close()
-        if driver:
-            driver.close()
+        for rollout in (driver, worker):
+            if rollout:
+                rollout.close()
         parallel.shutdown()
 
 
@@ -189,17 +201,41 @@ def _guard(cfg: TrainConfig, state: dict, metrics: dict, step: int) -> dict:
     return state
 
 
-def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, probe: ProbeBatch,
+def _rollout_phase(driver: RolloutDriver | None, worker: RolloutWorker | None, work, *args):
+    """``work(driver, *args)`` on rank 0 (None elsewhere); ranks with a RolloutWorker generate their
+    slices of its calls meanwhile, until it releases them."""
+    if worker:
+        worker.serve()
+    if not driver:
+        return None
+    out = work(driver, *args)
+    driver.release()
+    return out
+
+
+def _push_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, worker: RolloutWorker | None,
                   step: int) -> dict:
-    """Push the actor's weights to the engine (export is collective), then compare the engine's
-    log-probs with the trainer's on the probe batch."""
-    buckets = actor.export_buckets(cfg.rollout.bucket_bytes)
-    metrics = driver.push_weights(buckets, step) if driver else drain(buckets) or {}
+    """Serve the actor's weights of ``step`` on every rank's engine: views of the parameters where
+    the embedded engine shares them (no copy, no communication), else the collective export, which
+    rank 0 pushes to its engine, a RolloutWorker to its own, and any other rank drains."""
+    views = actor.hf_weight_views() if shares_weights(cfg) else None
+    buckets = [views] if views is not None else actor.export_buckets(cfg.rollout.bucket_bytes)
+    rollout = driver or worker
+    return rollout.push_weights(buckets, step, share=views is not None) if rollout else drain(buckets) or {}
+
+
+def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, worker: RolloutWorker | None,
+                  probe: ProbeBatch, step: int) -> dict:
+    """Push the actor's weights to the engines, then, at step 1 and every grpo.check_mismatch_every
+    steps, compare each engine's log-probs with the trainer's on the probe batch (every rank with
+    an engine checks its own: a failing rank raises)."""
+    metrics = _push_weights(cfg, actor, driver, worker, step)
     every = cfg.grpo.check_mismatch_every
-    if every and step % every == 0:
+    if every and (step == 1 or step % every == 0):  # step 1: a wrong mapping shows at once
         trainer_lp = _probe_logprobs(actor, probe)
-        if driver:
-            report = check_mismatch(driver.engine, probe, trainer_lp,
+        rollout = driver or worker
+        if rollout:
+            report = check_mismatch(rollout.engine, probe, trainer_lp,
                                     cfg.rollout.probe_threshold(cfg.model.fp8 != "none"), f"step-{step}")
             metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
     return metrics

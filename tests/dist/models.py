@@ -110,6 +110,15 @@ def _check_model(ctx, family: str, layout: str, results: dict, bucket_bytes: int
     exported, buckets = _export(model, bucket_bytes)
     results[f"export_exact/{key}"] = _same_tensors(exported, _hf_tensors(hf_dir))
     results[f"buckets/{key}"] = buckets
+    if layout == "tp1":  # the embedded engine's shared weights: the export's values, views where possible
+        from megadiv.models.export import hf_weight_views
+
+        views = dict(hf_weight_views(model))
+        storage = {p.untyped_storage().data_ptr() for p in model.gpt_models[0].parameters()}
+        results[f"views_exact/{key}"] = _same_tensors(views, exported)
+        results[f"view_copies/{key}"] = sorted(n for n, t in views.items() if t.untyped_storage().data_ptr() not in storage)
+        results[f"export_aliases/{key}"] = any(t.untyped_storage().data_ptr() in storage for t in exported.values())
+        results[f"query_groups/{key}"] = model.arch.num_query_groups
 
 
 def _error(fn) -> str:
@@ -139,7 +148,7 @@ def one_rank(ctx) -> dict:
 
     _layout(1, 1)
     results: dict = {}
-    for family in FAMILIES:
+    for family in FAMILIES + ("gqa1",):  # gqa1: one query group, q/k/v views of linear_qkv too
         _check_model(ctx, family, "tp1", results)
 
     # Llama-3 RoPE scaling: megatron's inverse frequencies equal transformers' for this config
