@@ -188,6 +188,12 @@ class OptimConfig:
     """Optimizer steps of linear warm-up from 0 to lr."""
     decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """LR decay after warm-up, over all optimizer steps of the run (grpo.steps x epochs x mini-batches)."""
+    distributed_optimizer: bool | None = None
+    """Megatron backend, Adam: shard Adam's state over the data-parallel ranks with megatron's
+    DistributedOptimizer (ZeRO-1). Unset: on for Adam (a checkpoint then resumes at any DP size).
+    false: megatron's plain optimizer, each DP rank holding all of it; faster on CPU at DP=1 with more
+    than one thread (docs/performance.md, Threads); checkpoints resume only with the same setting.
+    SGD has no state to shard: true is refused with it."""
 
     def __post_init__(self):
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -196,6 +202,13 @@ class OptimConfig:
             raise ConfigError("optim.adam_beta1 and optim.adam_beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.warmup_steps < 0:
             raise ConfigError("optim.clip_grad and optim.warmup_steps must be >= 0")
+        if self.distributed_optimizer and self.optimizer != "adam":
+            raise ConfigError("optim.distributed_optimizer=true shards Adam's state; optim.optimizer=sgd has none")
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether megatron's DistributedOptimizer holds the state (Adam unless switched off)."""
+        return self.optimizer == "adam" and self.distributed_optimizer is not False
 
 
 LoggerName = Literal["jsonl", "tensorboard", "wandb"]

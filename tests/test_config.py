@@ -291,3 +291,16 @@ def test_a_created_model_follows_the_run_directory(tmp_path):
     cfg = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "examples" / "tiny" / "grpo.yaml",
                       [f"run.output_dir={tmp_path}", "run.name=elsewhere"])
     assert cfg.model.hf_dir == str(tmp_path / "elsewhere" / "init")
+
+
+def test_distributed_optimizer_key_is_honest():
+    """optim.distributed_optimizer: unset means Adam's state is sharded; true with SGD (no state to
+    shard) and any value with the DeepSpeed backend (its own ZeRO) are refused."""
+    from megadiv.config import ModelConfig, OptimConfig
+
+    assert OptimConfig().shards_state and not OptimConfig(distributed_optimizer=False).shards_state
+    assert not OptimConfig(optimizer="sgd").shards_state
+    with pytest.raises(ConfigError, match="sgd"):
+        OptimConfig(optimizer="sgd", distributed_optimizer=True)
+    with pytest.raises(ConfigError, match="optim.distributed_optimizer"):
+        TrainConfig(model=ModelConfig(hf_dir=str(Path(__file__).parents[1] / "examples/hf_configs/Qwen3-1.7B"), backend="deepspeed"), optim=OptimConfig(distributed_optimizer=False))

@@ -109,3 +109,24 @@ def test_cpu_tier_subprocesses_see_no_cuda():
     out = subprocess.run([sys.executable, "-c", probe], env=cpu_tier_env(), capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "0", "''"], out.stderr[-2000:]
     assert cpu_tier_env(OMP_NUM_THREADS="2")["OMP_NUM_THREADS"] == "2"
+
+
+def test_threads_per_rank_share_the_usable_cores_unless_omp_num_threads_is_set(monkeypatch):
+    from megadiv.parallel import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert [threads.threads_per_rank(n, environ={}) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
+    assert threads.threads_per_rank(4, environ={"OMP_NUM_THREADS": "3"}) == 3
+    assert threads.threads_per_rank(4, environ={"OMP_NUM_THREADS": ""}) == 4  # empty: unset
+
+
+def test_usable_cores_follow_the_affinity_mask_and_the_cgroup_quota(monkeypatch, tmp_path):
+    from megadiv.parallel import threads
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(threads, "CPU_MAX", tmp_path / "cpu.max")
+    assert threads.usable_cores() == 4  # no cgroup file
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert threads.usable_cores() == 4
+    (tmp_path / "cpu.max").write_text("250000 100000\n")  # 2.5 CPUs: 3 threads
+    assert threads.usable_cores() == 3

@@ -71,6 +71,7 @@ def tiny_model(tmp_path_factory):
 # weights; Adam at DP > 1 runs megatron's distributed optimizer (ZeRO-1 over DP).
 SGD, ADAM, REGULARIZED = ("token-mean", "sgd", None), ("seq-mean-token-mean", "adam", None), \
     ("token-mean", "sgd", "full_prob_l2")
+ADAM_PLAIN = ("seq-mean-token-mean", "adam_plain", None)  # optim.distributed_optimizer=false (TP=1 run only)
 # name -> (TP, PP, ranks, extra args). DP = ranks / (TP x PP); each replica trains its own rows of
 # the same global batch. Recompute and an explicit uneven stage split ride along: they must not
 # change the maths either.
@@ -100,7 +101,8 @@ class LayoutRuns(dict):
         tp, pp, nproc, extra = LAYOUTS[name]
         self[name] = run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=600,
                                   args={"tp": tp, "pp": pp, "hf_dir": self.hf_dir, **extra,
-                                        "runs": [SGD, ADAM] + ([REGULARIZED] if pp == 1 else [])})
+                                        "runs": [SGD, ADAM] + ([REGULARIZED] if pp == 1 else [])
+                                                + ([ADAM_PLAIN] if name == "tp1" else [])})
         return self[name]
 
 
@@ -147,6 +149,19 @@ def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
         _assert_same_training(r[run], ref, f"{layout} rank {rank}",
                               ("loss/total", "loss/kl", "grad_norm", "entropy", "clip/frac_low", "clip/frac_high",
                                "ratio/max", "ratio/min", "ref/k3"), optimizer=run[1])
+
+
+def test_plain_and_distributed_adam_make_the_same_update_at_dp1(layout_runs):
+    """At DP=1 megatron's DistributedOptimizer owns the whole state: the plain optimizer
+    (optim.distributed_optimizer=false) must give the same steps and weights. Observed on this CPU:
+    weights, losses and log-probs identical (0.0), the third step's grad norm 1.8e-8 apart (its
+    reduction order); the tolerances are the layouts' float32 ones."""
+    (result,) = layout_runs["tp1"]
+    plain, distributed = result[ADAM_PLAIN], result[ADAM]
+    assert (plain["optimizer"], distributed["optimizer"]) == ("FP32Optimizer", "DistributedOptimizer")
+    _assert_same_training(plain, distributed, "plain vs distributed Adam",
+                          ["loss/total", "grad_norm", "entropy"], "adam")
+    assert plain["skipped"] == 1.0 and plain["unchanged"]
 
 
 @pytest.mark.parametrize("layouts", [["tp1", "tp2", "pp2", "dp2"], pytest.param(["tp2dp2"], marks=FOUR_RANKS)],

@@ -14,6 +14,9 @@ torchrun's own failure report (its logging and its ChildFailedError traceback) g
 megadiv.cli.rank_deaths), then the other ranks' errors, which follow from it. A log that
 cannot be written (a full disk) is noted in that line; the launcher goes on without it.
 
+Each rank computes with ``threads_per_rank(nproc)`` OpenMP threads (megadiv.parallel.threads: the
+usable cores // nproc, or OMP_NUM_THREADS when set), passed to torchrun as OMP_NUM_THREADS.
+
 ``max_restarts`` (``megadiv train --max-restarts N``) is torchrun's: after a failure the ranks are
 started again and resume from the newest intact checkpoint; the launcher says why, one line per
 restart. A restarted rank 0 refuses to go on when the failed attempt wrote no checkpoint
@@ -22,6 +25,7 @@ retried.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -33,6 +37,7 @@ from pathlib import Path
 import psutil
 
 from megadiv.cli.rank_deaths import MONITOR_INTERVAL_S, RankWatcher
+from megadiv.parallel.threads import threads_per_rank
 from megadiv.trainer.lifecycle import (
     EXIT_GRACE_S,
     STOP_SIGNALS,
@@ -61,7 +66,9 @@ def launch(nproc: int, train_args: list[str], run_dir: Path, max_restarts: int =
            "-m", "megadiv.cli", "train", *train_args]
     # torchrun in its own session: a terminal's Ctrl-C reaches the launcher alone, which forwards it once
     # and SIGTERM for it should the launcher itself be killed (SIGKILL cannot be relayed)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
+    # the cores shared out over the ranks (megadiv.parallel.threads), unless OMP_NUM_THREADS is set
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc))}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True, env=env,
                             preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     received: list[int] = []
     report = _StderrFilter(proc.stderr, log_path)

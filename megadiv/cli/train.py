@@ -85,8 +85,13 @@ def run(args: argparse.Namespace) -> int:
             return launch(args.nproc or 1, args.args, run_dir, args.max_restarts)
         finally:
             lock.release()
+    import torch
+
+    from megadiv.parallel.threads import threads_per_rank
     from megadiv.trainer.grpo import train
 
+    # a process of its own (no torchrun) or one of torchrun's: the cores shared out over this machine's ranks
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if rank == 0 and os.environ.get(ALL_WARNINGS) != "1":
         print(FILTERED_NOTE, file=sys.stderr, flush=True)
     try:

@@ -96,8 +96,9 @@ class Policy:
 
         config = self.model.config
         # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam
-        # only); also at DP=1, so that Adam's checkpoints have one format at every DP size
-        use_distributed_optimizer = optim.optimizer == "adam"
+        # only); by default also at DP=1, so that Adam's checkpoints have one format at every DP size
+        # (optim.distributed_optimizer=false: the plain optimizer, no gloo collectives at DP=1)
+        use_distributed_optimizer = optim.shards_state
         self.optim_name, self.use_distributed_optimizer = optim.optimizer, use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,

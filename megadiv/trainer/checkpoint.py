@@ -259,6 +259,7 @@ def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict
                 state["scheduler"] = actor.scheduler.state_dict()
                 state["trainer"] = _from_rank0(trainer_state)
                 state["adam_step"] = _adam_step(actor.optimizer)
+                state["distributed_optimizer"] = actor.use_distributed_optimizer
                 dist_checkpointing.save(state, str(partial))
         torch.save(_rng_state(), partial / f"rng_{rank}.pt")
         dist.barrier()
@@ -367,7 +368,14 @@ def _load(path: Path, actor: Policy) -> dict:
         trainer_state = actor.load_state(path)
         _load_rng(path)
         return trainer_state
-    _materialize_adam_state(actor.optimizer, dist_checkpointing.load_common_state_dict(str(path))["adam_step"])
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    # written before the key existed: the distributed optimizer's exactly when it holds Adam's state
+    saved_sharded = common.get("distributed_optimizer", common["adam_step"] is not None)
+    if saved_sharded != actor.use_distributed_optimizer:
+        raise ConfigError(f"{path} holds the {'distributed' if saved_sharded else 'plain'} optimizer's state; this run "
+                          f"uses the {'distributed' if actor.use_distributed_optimizer else 'plain'} one: resume it "
+                          f"with optim.distributed_optimizer={str(saved_sharded).lower()}")
+    _materialize_adam_state(actor.optimizer, common["adam_step"])
     state = dist_checkpointing.load(_state_template(actor, is_loading=True), str(path))
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
         gpt.load_state_dict(state[key])

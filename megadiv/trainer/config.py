@@ -269,7 +269,8 @@ class TrainConfig:
                          "parallel.stage_layers": (p.stage_layers, None),
                          "parallel.sequence_parallel": (p.sequence_parallel, False),
                          "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
-                         "model.recompute_granularity": (m.recompute_granularity, "none")}
+                         "model.recompute_granularity": (m.recompute_granularity, "none"),
+                         "optim.distributed_optimizer": (self.optim.distributed_optimizer, None)}
         megatron_only |= {  # ZeRO-3 gathers weights in every forward: all ranks must run equally many micro-batches
             "grpo.max_tokens_per_micro_batch": (self.grpo.max_tokens_per_micro_batch, None)}  # packing needs it
         for key, (value, plain) in megatron_only.items():

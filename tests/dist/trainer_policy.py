@@ -1,6 +1,8 @@
 """Rank bodies for tests/test_trainer_units.py: the trainer's Policy on real megatron-core."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,8 @@ SGD = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)
 # parity would hold only by luck of the summation order. At 1e-5 the slope is 100, and the steps
 # are still Adam's normalised ones: median |w - w0| after three steps 1.46e-3 (1.54e-3 at 1e-8).
 ADAM = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, adam_eps=1e-5)
+# run name -> optimizer; adam_plain: megatron's plain optimizer instead of the distributed one
+OPTIMIZERS = {"sgd": SGD, "adam": ADAM, "adam_plain": replace(ADAM, distributed_optimizer=False)}
 
 
 def _batch() -> SequenceBatch:
@@ -42,7 +46,7 @@ def policy_steps(ctx):
     mine = slice(info.dp_rank * per_replica, (info.dp_rank + 1) * per_replica)
     out = {"dp_size": info.dp_size}
     for agg, optimizer, regularizer in a["runs"]:
-        actor = Policy(model, parallel, "actor", SGD if optimizer == "sgd" else ADAM, total_steps=3, temperature=0.7)
+        actor = Policy(model, parallel, "actor", OPTIMIZERS[optimizer], total_steps=3, temperature=0.7)
         reference = Policy(model, parallel, "reference", temperature=0.7)
         batch = _batch().rows(mine)
         batch.logp_ref = reference.log_probs(batch, micro_batch_size=2)
