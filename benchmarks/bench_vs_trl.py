@@ -293,7 +293,9 @@ def workload(name: str, args) -> dict:
         "advantage": {"estimator": "grpo", "group_size": shape["samples"]},
         "loss": {"policy_loss": "clip", "eps_low": shape["eps"][0], "eps_high": shape["eps"][1], "kl_coef": 0.0,
                  "loss_agg": "token-mean"},
-        "optim": {"lr": shape["lr"], "clip_grad": 1.0},
+        # megatron's plain optimizer: every layout here has one data-parallel rank, where the distributed
+        # optimizer buys nothing and its gloo collectives slow a multi-threaded process (docs/performance.md)
+        "optim": {"lr": shape["lr"], "clip_grad": 1.0, "distributed_optimizer": False},
         "grpo": {"prompts_per_step": shape["prompts"], "mini_batches": 1, "micro_batch_size": shape["micro"]},
         "checkpoint": {"every": 0, "export_hf": False}}
 
