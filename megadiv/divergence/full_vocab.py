@@ -17,7 +17,7 @@ import torch
 
 from megadiv.divergence.mirror_map import NEURONS_PER_GROUP, PROB_FLOOR, MirrorMapConfig, NeuralMirrorMap, as_mirror_map
 from megadiv.divergence.registry import VocabDivergence, register_divergence
-from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, separable_divergence
+from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, prob_l2_divergence, separable_divergence
 
 
 class SeparableVocabDivergence(VocabDivergence):
@@ -76,6 +76,10 @@ class FullProbL2(SeparableVocabDivergence):
         if out_b is not None:
             torch.mul(diff, q, out=out_b).mul_(-2)
         return diff.square_()
+
+    def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
+        return prob_l2_divergence(logits, logits_base, group, vocab_start, vocab_size, self.chunk_size,
+                                  self.consume_base, self.tile_elements)
 
 
 @register_divergence("full_mirror")

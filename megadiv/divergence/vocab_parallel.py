@@ -37,6 +37,7 @@ for float64 logits), and each logsumexp subtracts the maximum first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -294,15 +295,59 @@ def _global_logsumexp(lse: torch.Tensor, group) -> torch.Tensor:
     return torch.logsumexp(torch.stack(parts), dim=0)
 
 
-def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, want: bool,
-                     want_base: bool, consume_base: bool = False):
-    """Per-token D [N] and the per-token gradients dD/dz [N, V/TP], dD/dz_b (None unless
-    wanted) of the shards z, z_b [N, V/TP].
+def _divergence_tiles(rs: slice, tile: int):
+    """(chunk rows, global rows) of each tile of chunk ``rs``."""
+    return [(slice(i - rs.start, min(i + tile, rs.stop) - rs.start), slice(i, min(i + tile, rs.stop)))
+            for i in range(rs.start, rs.stop, tile)]
 
-    Per chunk of rows, in cache-sized tiles: (1) shard softmax of both logits into chunk buffers
-    p, q and the shard logsumexps; one all_gather of those gives the global ones; (2) rescale
-    p, q to the global softmax, f/F/G per logit, row sums; one all-reduce of the sums;
-    (3) gradients F - p sum F and G - q sum G. Two collectives per chunk, two exps per logit.
+
+def _softmax_scales(sources, exps: torch.Tensor, tiles, shard: VocabShard, tile_ws: Workspace):
+    """First phase of a divergence chunk, and its collective: ``exps[t, k] = e^(z_k - m_k)`` on the
+    valid columns of each source z_k (tile by tile; m_k the row's max on this shard), the per-row
+    factors ``exp(m_k - log Z_k)`` [k, n] that make them the global softmax, and log Z_k [k, n].
+
+    One exp per logit; max, exp and sum as separate cache-resident passes (the fused softmax
+    kernel normalises as well, and its local log-sum-exp then costs two more passes: 2x slower
+    on CPU, measured). A shard with no valid column has m = the most negative float: factor 0.
+    """
+    dtype, n = exps.dtype, exps.shape[0]
+    m = torch.full((len(sources), n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
+    lse = m.clone()
+    if shard.valid > 0:
+        sums = torch.empty(n, len(sources), dtype=dtype, device=exps.device)
+        for t, g in tiles:
+            for k, src in enumerate(sources):
+                c = tile_ws.upcast(src[g, :shard.valid])
+                torch.amax(c, dim=-1, out=m[k, t])
+                torch.sub(c, m[k, t].unsqueeze(1), out=exps[t, k])
+            torch.sum(exps[t, :len(sources)].exp_(), dim=-1, out=sums[t])   # [nt, k] in one op
+        torch.add(m, sums.T.log(), out=lse)
+    log_z = _global_logsumexp(lse, shard.group)
+    return torch.exp(m - log_z), log_z
+
+
+def _gradient_buffers(z, z_b, valid: int, want: bool, want_base: bool, consume_base: bool):
+    """The gradients' [N, V/TP] buffers (None where not wanted), padding columns zeroed; with
+    ``consume_base`` the logits' gradient is z_b's storage."""
+    grads = [torch.empty_like(x) if w else None for x, w in ((z, want and not consume_base),
+                                                              (z_b, want_base))]
+    if want and consume_base:
+        grads[0] = z_b
+    for grad in grads:
+        if grad is not None:
+            grad[:, valid:] = 0
+    return grads
+
+
+def _divergence_pass(measure: "SeparableMeasure", z, z_b, shard: VocabShard, want: bool,
+                     want_base: bool, consume_base: bool = False):
+    """Per-token D [N], the per-token gradients dD/dz [N, V/TP], dD/dz_b (None unless wanted)
+    of the shards z, z_b [N, V/TP], and their per-row factors (None: 1).
+
+    Per chunk of rows, in cache-sized tiles: (1) shard exps of both logits into one chunk buffer
+    [n, 2, V_valid] (p, q) and the factors to the global softmax (one all_gather); (2) rescale
+    p, q, f/F/G per logit, row sums; one all-reduce of the sums; (3) gradients F - p sum F and
+    G - q sum G. Two collectives per chunk, two exps per logit.
     F and G are written straight into the gradient's rows and finished there in place (into a
     chunk buffer first when the gradient is half precision). ``consume_base``: write dD/dz into
     z_b's storage (each tile's rows of z_b are read before they are written), sparing a fresh
@@ -310,40 +355,27 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
     """
     dtype = _compute_dtype(z.dtype)
     valid = shard.valid
-    grads = [torch.empty_like(x) if w else None for x, w in ((z, want and not consume_base),
-                                                              (z_b, want_base))]
-    if want and consume_base:
-        grads[0] = z_b
-    for grad in grads:
-        if grad is not None:
-            grad[:, valid:] = 0                                 # padding columns
+    grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
     device = z.device
     values = torch.zeros(z.shape[0], dtype=dtype, device=device)
     # tiles keep a CPU core's cache warm; a GPU kernel takes the whole chunk at once
     tile = rows_per(measure.tile_elements, valid) if device.type == "cpu" else shard.chunk_size
     rows = min(shard.chunk_size, z.shape[0])
-    chunk_ws = Workspace(rows, valid, dtype, device)           # p, q (and F, G if half precision)
+    chunk_ws = Workspace(rows, valid, dtype, device)           # F, G if half precision
+    pq_ws = Workspace(rows, 2 * valid, dtype, device)          # p, q
     tile_ws = Workspace(min(tile, rows), valid, dtype, device)  # a, b, upcasts, measure scratch
     for rs in shard.chunks(z.shape[0]):
         n = rs.stop - rs.start
-        tiles = [(slice(i, min(i + tile, n)), slice(rs.start + i, min(rs.start + i + tile, rs.stop)))
-                 for i in range(0, n, tile)]                    # (chunk rows, global rows)
-        local = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=device)  # padding only
-        p, q = chunk_ws.take("p", n), chunk_ws.take("q", n)
+        tiles = _divergence_tiles(rs, tile)
+        pq = pq_ws.take("pq", n).view(n, 2, valid)
+        p, q = pq[:, 0], pq[:, 1]
         # where F, G go: the gradient's own rows, or float32 chunk buffers for a half gradient
         outs = [None if grad is None else (grad[rs, :valid] if grad.dtype == dtype
                                            else chunk_ws.take(name, n))
                 for grad, name in zip(grads, ("F", "G"))]
-        for t, g in tiles:
-            for k, (buf, src) in enumerate(((p, z), (q, z_b))):
-                if valid > 0:
-                    c = tile_ws.upcast(src[g, :valid])
-                    torch.ops.aten._softmax.out(c, -1, False, out=buf[t])   # fused, no copy
-                    # the largest entry of a softmax is 1 / sum e^(c - max): lse without more exps
-                    local[k, t] = c.amax(dim=-1) - torch.log(buf[t].amax(dim=-1))
-        total = _global_logsumexp(local, shard.group)
+        scale, log_z = _softmax_scales((z, z_b), pq, tiles, shard, tile_ws)
+        scale = scale.unsqueeze(-1)                             # [2, n, 1]
         sums = torch.zeros(3, n, dtype=dtype, device=device)    # row sums of f, F, G
-        scale = torch.exp(local - total).unsqueeze(-1)          # shard -> global softmax, [2, n, 1]
         for t, g in tiles:
             if valid == 0:
                 break
@@ -351,8 +383,8 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
             p_t, q_t = p[t].mul_(scale[0, t]), q[t].mul_(scale[1, t])
             a = b = None
             if measure.uses_log_probs:   # read before F overwrites z_b's rows (consume_base)
-                a = torch.sub(z[g, :valid], total[0, t].unsqueeze(1), out=tile_ws.take("a", nt))
-                b = torch.sub(z_b[g, :valid], total[1, t].unsqueeze(1), out=tile_ws.take("b", nt))
+                a = torch.sub(z[g, :valid], log_z[0, t].unsqueeze(1), out=tile_ws.take("a", nt))
+                b = torch.sub(z_b[g, :valid], log_z[1, t].unsqueeze(1), out=tile_ws.take("b", nt))
             out_a, out_b = (None if out is None else out[t] for out in outs)
             f = measure.pointwise(a, b, p_t, q_t, out_a, out_b, tile_ws)
             torch.sum(f, dim=-1, out=sums[0, t])
@@ -374,26 +406,97 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
                     out[t].add_(correction)
                 else:
                     torch.add(out[t], correction, out=grad[g, :valid])
-    return values, grads
+    return values, grads, (None, None)
 
 
-class _SeparableDivergence(torch.autograd.Function):
-    """D = sum_v f(log p_v, log q_v) per token, p = softmax(logits), q = softmax(logits_base).
+def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
+                  consume_base: bool = False, tile_elements: int = CHUNK_ELEMENTS):
+    """ProbL2 D = sum_v (p_v - q_v)^2 per token [N], with its gradients up to per-row factors
+    ([N] each: the gradient is factor x buffer), of the shards z, z_b [N, V/TP].
 
-    With F = df/da and G = df/db at each column (a = log p, b = log q), d a_v / d z_k = [v = k] - p_k
-    gives the gradients
-        dD/dz_k = F_k - p_k sum_v F_v,     dD/dz^base_k = G_k - q_k sum_v G_v.
-    D is a loss term (all that follows is a per-token weight g), so the forward writes these
-    per-token gradients into the gradient buffers while p and q are at hand, and the backward
-    scales rows by g in place: two exps per logit in all, where a recomputing backward needs
-    four. The buffers exist only for inputs that require grad (compute metrics under no_grad).
-    A second backward through the same graph (retain_graph, gradcheck) finds the buffers
-    consumed and recomputes them from the logits, provided those were not modified since.
+    Closed form, d = p - q, from d p_v / d z_j = p_v ([v = j] - p_j):
+        dD/dz_j   =  2 p_j ((p_j - q_j) - sum_v p_v (p_v - q_v)),
+        dD/dz^b_j = -2 q_j ((p_j - q_j) - sum_v q_v (p_v - q_v)).
+    With e_p = e^(z - m) on this shard (p = alpha e_p, alpha per row) and r = q - p = -d:
+        dD/dz_j = -2 alpha * e_p,j (r_j + S),    S = sum_v p_v d_v = -alpha sum_v e_p,v r_v,
+        dD/dz^b_j = 2 * q_j (r_j + T),           T = sum_v q_v d_v = -sum_v q_v r_v,
+    so the buffers hold e_p (r + S) and q (r + T), and the factors -2 alpha and 2 go into the
+    backward's per-row scaling, which the upstream gradient needs anyway: p is never formed.
+
+    Per chunk, in cache-sized tiles: (1) e_p and e_q into one chunk buffer [n, k, V_valid],
+    factors to the global softmax (one all_gather); (2) q = beta e_q, r = q - alpha e_p (an
+    addcmul), and the row dot products of e_p, q, r in one batched matmul, which reads each
+    entry once and writes nothing per logit: D = |r|^2, S, T; one all-reduce; (3) the buffers,
+    written once (into z_b's rows with ``consume_base``: read in (1), written in (3)). Two exps
+    and ~10 cache-resident passes per logit; D is a sum of squares of the elementwise r, exact
+    where p and q are close (P2 - 2PQ + Q2 from per-rank dot products would cancel).
+    """
+    dtype, valid, device = _compute_dtype(z.dtype), shard.valid, z.device
+    grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
+    rows = z.shape[0]
+    values = torch.zeros(rows, dtype=dtype, device=device)
+    factors = [None if grad is None else torch.empty(rows, dtype=dtype, device=device) for grad in grads]
+    tile = rows_per(tile_elements, valid) if device.type == "cpu" else shard.chunk_size
+    n_max = min(shard.chunk_size, rows)
+    slots = 3 if want_base else 2           # e_p, q, and r apart from q only while q is needed
+    stack_ws = Workspace(n_max, slots * valid, dtype, device)
+    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # upcasts, half-precision output
+    gram = torch.empty(min(tile, n_max), slots, slots, dtype=dtype, device=device)
+    for rs in shard.chunks(rows):
+        n = rs.stop - rs.start
+        tiles = _divergence_tiles(rs, tile)
+        e = stack_ws.take("e", n).view(n, slots, valid)
+        scale, _ = _softmax_scales((z, z_b), e, tiles, shard, tile_ws)   # alpha, beta: [2, n]
+        alpha, beta = scale.unsqueeze(-1)                     # [n, 1] each
+        sums = torch.zeros(3, n, dtype=dtype, device=device)  # D, S, T
+        for t, g in tiles:
+            if valid == 0:
+                break
+            e_p, q = e[t, 0], e[t, 1].mul_(beta[t])
+            if want_base:
+                torch.addcmul(q, e_p, alpha[t], value=-1, out=e[t, 2])
+            else:
+                q.addcmul_(e_p, alpha[t], value=-1)           # r over q
+            dots = torch.bmm(e[t], e[t].transpose(1, 2), out=gram[:t.stop - t.start])
+            sums[0, t] = dots[:, -1, -1]
+            torch.mul(dots[:, 0, -1], -alpha[t, 0], out=sums[1, t])
+            if want_base:
+                torch.neg(dots[:, 1, 2], out=sums[2, t])
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
+        values[rs] = sums[0]
+        if factors[0] is not None:
+            torch.mul(alpha[:, 0], -2, out=factors[0][rs])
+        if factors[1] is not None:
+            factors[1][rs] = 2
+        for t, g in tiles:
+            if valid == 0:
+                break
+            r = e[t, -1]
+            for grad, total, probs in zip(grads, sums[1:], (e[t, 0], e[t, 1])):
+                if grad is None:
+                    continue
+                direct = grad.dtype == dtype
+                out = grad[g, :valid] if direct else tile_ws.take("half", t.stop - t.start)
+                torch.add(r, total[t].unsqueeze(1), out=out).mul_(probs)
+                if not direct:
+                    grad[g, :valid] = out
+    return values, grads, factors
+
+
+class _FullVocabDivergence(torch.autograd.Function):
+    """D per token from the logit shards of the current (p) and base (q) policies, by a pass
+    ``divergence_pass(z, z_b, shard, want, want_base, consume_base) -> (values, grads, factors)``
+    that computes the per-token gradients in the forward, while p and q are at hand (a per-row
+    ``factor`` [N] scales a gradient buffer; None: 1). D is a loss term (all that follows is a
+    per-token weight g), so the backward only scales rows by g (x factor) in place: two exps per
+    logit in all, where a recomputing backward needs four. The buffers exist only for inputs that
+    require grad (compute metrics under no_grad). A second backward through the same graph
+    (retain_graph, gradcheck) finds the buffers consumed and recomputes them from the logits,
+    provided those were not modified since.
     """
 
     @staticmethod
-    def forward(ctx, logits, logits_base, measure: "SeparableMeasure", shard: VocabShard,
-                consume_base: bool):
+    def forward(ctx, logits, logits_base, divergence_pass, shard: VocabShard, consume_base: bool):
         if logits.shape != logits_base.shape:
             raise ValueError(f"logits {tuple(logits.shape)} and logits_base "
                              f"{tuple(logits_base.shape)} differ in shape")
@@ -401,28 +504,30 @@ class _SeparableDivergence(torch.autograd.Function):
         z_b = logits_base.reshape(-1, logits_base.shape[-1])
         if consume_base and (ctx.needs_input_grad[1] or z_b.dtype != z.dtype):
             raise ValueError("consume_base needs a base that requires no grad, of the logits' dtype")
-        values, ctx.grads = _divergence_pass(z, z_b, measure, shard, *ctx.needs_input_grad[:2],
-                                             consume_base)
+        values, *grads = divergence_pass(z, z_b, shard, *ctx.needs_input_grad[:2], consume_base)
+        ctx.grads = grads                                       # [buffers, factors]
         # Not save_for_backward: the fast path never reads the logits, and an in-place backward of
         # another function on the same logits (log_probs_and_entropy) must not trip the check.
         ctx.inputs = (z, z_b, logits._version, logits_base._version)
-        ctx.measure, ctx.shard, ctx.shapes = measure, shard, (logits.shape, logits_base.shape)
+        ctx.divergence_pass, ctx.shard = divergence_pass, shard
+        ctx.shapes = (logits.shape, logits_base.shape)
         return values.reshape(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, g):
-        grads = ctx.grads
-        if grads is None:
+        if ctx.grads is None:
             z, z_b, version, version_b = ctx.inputs
             if (z._version, z_b._version) != (version, version_b):
                 raise RuntimeError("a second backward through a full-vocabulary divergence needs "
                                    "its logits, which were modified in place after the forward")
-            grads = _divergence_pass(z, z_b, ctx.measure, ctx.shard, *ctx.needs_input_grad[:2])[1]
+            ctx.grads = ctx.divergence_pass(z, z_b, ctx.shard, *ctx.needs_input_grad[:2])[1:]
+        grads, factors = ctx.grads
         ctx.grads = None
-        scale = g.reshape(-1, 1)
-        for grad in grads:
+        g = g.reshape(-1)
+        for grad, factor in zip(grads, factors):
             if grad is None:
                 continue
+            scale = (g if factor is None else g * factor).unsqueeze(1)
             if grad.dtype == scale.dtype:
                 grad.mul_(scale)
                 continue
@@ -460,4 +565,17 @@ def separable_divergence(measure: SeparableMeasure, logits: torch.Tensor, logits
     for a reference whose logits serve nothing else; the base must not require grad.
     """
     shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size, DIVERGENCE_CHUNK_BYTES)
-    return _SeparableDivergence.apply(logits, logits_base, measure, shard, consume_base)
+    return _FullVocabDivergence.apply(logits, logits_base, partial(_divergence_pass, measure), shard,
+                                      consume_base)
+
+
+def prob_l2_divergence(logits: torch.Tensor, logits_base: torch.Tensor, group=None,
+                       vocab_start: int = 0, vocab_size: int | None = None,
+                       chunk_size: int | None = None, consume_base: bool = False,
+                       tile_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """sum_v (p_v - q_v)^2 per token ([...]) from logit shards [..., V/TP]; as
+    :func:`separable_divergence` with f = (p - q)^2, by the closed-form pass ``_prob_l2_pass``."""
+    shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size, DIVERGENCE_CHUNK_BYTES)
+    return _FullVocabDivergence.apply(logits, logits_base,
+                                      partial(_prob_l2_pass, tile_elements=tile_elements), shard,
+                                      consume_base)
