@@ -286,13 +286,13 @@ def entropy(logits: torch.Tensor, group=None, vocab_start: int = 0,
     return _LogProbEntropy.apply(logits, None, shard, True, inplace_backward)
 
 
-def _global_logsumexp(lse: torch.Tensor, group) -> torch.Tensor:
-    """logsumexp over ranks of per-rank logsumexps lse [k, B] -> [k, B] (one all_gather)."""
+def _gather_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """x of every rank of ``group``, stacked: [TP, *x.shape] (one all_gather; [1, ...] unsharded)."""
     if group is None:
-        return lse
-    parts = [torch.empty_like(lse) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, lse.contiguous(), group=group)
-    return torch.logsumexp(torch.stack(parts), dim=0)
+        return x.unsqueeze(0)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 def _divergence_tiles(rs: slice, tile: int):
@@ -301,29 +301,33 @@ def _divergence_tiles(rs: slice, tile: int):
             for i in range(rs.start, rs.stop, tile)]
 
 
-def _softmax_scales(sources, exps: torch.Tensor, tiles, shard: VocabShard, tile_ws: Workspace):
-    """First phase of a divergence chunk, and its collective: ``exps[t, k] = e^(z_k - m_k)`` on the
-    valid columns of each source z_k (tile by tile; m_k the row's max on this shard), the per-row
-    factors ``exp(m_k - log Z_k)`` [k, n] that make them the global softmax, and log Z_k [k, n].
+def _shard_exps(z, z_b, exps: torch.Tensor, tiles, shard: VocabShard, tile_ws: Workspace,
+                dots: torch.Tensor | None = None):
+    """First phase of a divergence chunk: ``exps[t, k] = e^(z_k - m_k)`` on the valid columns of
+    z_0 = z and z_1 = z_b, tile by tile (m_k the row's max on this shard); returns m and the
+    shard's log-sum-exp, [2, n] each. With ``dots`` [n, 2, 2], also the row dot products of the
+    two exps (one batched matmul per tile, which reads each entry once and writes nothing else).
 
     One exp per logit; max, exp and sum as separate cache-resident passes (the fused softmax
-    kernel normalises as well, and its local log-sum-exp then costs two more passes: 2x slower
-    on CPU, measured). A shard with no valid column has m = the most negative float: factor 0.
+    kernel normalises as well, and its log-sum-exp then costs two more passes: 2x slower on
+    CPU, measured). A shard with no valid column has m = lse = the most negative float.
     """
     dtype, n = exps.dtype, exps.shape[0]
-    m = torch.full((len(sources), n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
+    m = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
     lse = m.clone()
     if shard.valid > 0:
-        sums = torch.empty(n, len(sources), dtype=dtype, device=exps.device)
+        sums = torch.empty(n, 2, dtype=dtype, device=exps.device)
         for t, g in tiles:
-            for k, src in enumerate(sources):
+            for k, src in enumerate((z, z_b)):
                 c = tile_ws.upcast(src[g, :shard.valid])
                 torch.amax(c, dim=-1, out=m[k, t])
                 torch.sub(c, m[k, t].unsqueeze(1), out=exps[t, k])
-            torch.sum(exps[t, :len(sources)].exp_(), dim=-1, out=sums[t])   # [nt, k] in one op
+            e = exps[t, :2].exp_()
+            torch.sum(e, dim=-1, out=sums[t])                   # [nt, 2] in one op
+            if dots is not None:
+                torch.bmm(e, e.transpose(1, 2), out=dots[t])
         torch.add(m, sums.T.log(), out=lse)
-    log_z = _global_logsumexp(lse, shard.group)
-    return torch.exp(m - log_z), log_z
+    return m, lse
 
 
 def _gradient_buffers(z, z_b, valid: int, want: bool, want_base: bool, consume_base: bool):
@@ -373,8 +377,9 @@ def _divergence_pass(measure: "SeparableMeasure", z, z_b, shard: VocabShard, wan
         outs = [None if grad is None else (grad[rs, :valid] if grad.dtype == dtype
                                            else chunk_ws.take(name, n))
                 for grad, name in zip(grads, ("F", "G"))]
-        scale, log_z = _softmax_scales((z, z_b), pq, tiles, shard, tile_ws)
-        scale = scale.unsqueeze(-1)                             # [2, n, 1]
+        m, lse = _shard_exps(z, z_b, pq, tiles, shard, tile_ws)
+        log_z = torch.logsumexp(_gather_ranks(lse, shard.group), dim=0)   # [2, n]
+        scale = torch.exp(m - log_z).unsqueeze(-1)              # to the global softmax, [2, n, 1]
         sums = torch.zeros(3, n, dtype=dtype, device=device)    # row sums of f, F, G
         for t, g in tiles:
             if valid == 0:
@@ -418,18 +423,19 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
         dD/dz_j   =  2 p_j ((p_j - q_j) - sum_v p_v (p_v - q_v)),
         dD/dz^b_j = -2 q_j ((p_j - q_j) - sum_v q_v (p_v - q_v)).
     With e_p = e^(z - m) on this shard (p = alpha e_p, alpha per row) and r = q - p = -d:
-        dD/dz_j = -2 alpha * e_p,j (r_j + S),    S = sum_v p_v d_v = -alpha sum_v e_p,v r_v,
-        dD/dz^b_j = 2 * q_j (r_j + T),           T = sum_v q_v d_v = -sum_v q_v r_v,
-    so the buffers hold e_p (r + S) and q (r + T), and the factors -2 alpha and 2 go into the
-    backward's per-row scaling, which the upstream gradient needs anyway: p is never formed.
+        dD/dz_j   = -2 alpha * e_p,j (r_j + S),   S = sum_v p_v d_v = P2 - PQ,
+        dD/dz^b_j =  2       * q_j (r_j + T),     T = sum_v q_v d_v = PQ - Q2,
+    with P2 = sum p^2, PQ = sum p q, Q2 = sum q^2 over the whole vocabulary; the buffers hold
+    e_p (r + S) and q (r + T), and the factors -2 alpha and 2 go into the backward's per-row
+    scaling, which the upstream gradient needs anyway: p is never formed.
 
-    Per chunk, in cache-sized tiles: (1) e_p and e_q into one chunk buffer [n, k, V_valid],
-    factors to the global softmax (one all_gather); (2) q = beta e_q, r = q - alpha e_p (an
-    addcmul), and the row dot products of e_p, q, r in one batched matmul, which reads each
-    entry once and writes nothing per logit: D = |r|^2, S, T; one all-reduce; (3) the buffers,
-    written once (into z_b's rows with ``consume_base``: read in (1), written in (3)). Two exps
-    and ~10 cache-resident passes per logit; D is a sum of squares of the elementwise r, exact
-    where p and q are close (P2 - 2PQ + Q2 from per-rank dot products would cancel).
+    Per chunk, in cache-sized tiles: (1) e_p, e_q into one chunk buffer [n, k, V_valid], the
+    shard's log-sum-exps and the dot products of e_p, e_q (a batched matmul); one all_gather of
+    these [5, n] gives alpha, beta, S, T; (2) q = beta e_q, r = q - alpha e_p (an addcmul),
+    D's shard part |r|^2, and the buffers, written once (into z_b's rows with ``consume_base``:
+    read in (1), written in (2)). One collective per chunk and one all-reduce of D per call;
+    two exps per logit. D is a sum of squares of the elementwise r, exact where p and q are
+    close (P2 - 2 PQ + Q2 would cancel); S and T err by ~eps P2 like p - q itself does.
     """
     dtype, valid, device = _compute_dtype(z.dtype), shard.valid, z.device
     grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
@@ -441,29 +447,23 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
     slots = 3 if want_base else 2           # e_p, q, and r apart from q only while q is needed
     stack_ws = Workspace(n_max, slots * valid, dtype, device)
     tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # upcasts, half-precision output
-    gram = torch.empty(min(tile, n_max), slots, slots, dtype=dtype, device=device)
+    dots = torch.empty(n_max, 2, 2, dtype=dtype, device=device)
     for rs in shard.chunks(rows):
         n = rs.stop - rs.start
         tiles = _divergence_tiles(rs, tile)
         e = stack_ws.take("e", n).view(n, slots, valid)
-        scale, _ = _softmax_scales((z, z_b), e, tiles, shard, tile_ws)   # alpha, beta: [2, n]
-        alpha, beta = scale.unsqueeze(-1)                     # [n, 1] each
-        sums = torch.zeros(3, n, dtype=dtype, device=device)  # D, S, T
-        for t, g in tiles:
-            if valid == 0:
-                break
-            e_p, q = e[t, 0], e[t, 1].mul_(beta[t])
-            if want_base:
-                torch.addcmul(q, e_p, alpha[t], value=-1, out=e[t, 2])
-            else:
-                q.addcmul_(e_p, alpha[t], value=-1)           # r over q
-            dots = torch.bmm(e[t], e[t].transpose(1, 2), out=gram[:t.stop - t.start])
-            sums[0, t] = dots[:, -1, -1]
-            torch.mul(dots[:, 0, -1], -alpha[t, 0], out=sums[1, t])
-            if want_base:
-                torch.neg(dots[:, 1, 2], out=sums[2, t])
-        sums = _all_reduce(sums, dist.ReduceOp.SUM, shard.group)
-        values[rs] = sums[0]
+        m, lse = _shard_exps(z, z_b, e, tiles, shard, tile_ws, dots[:n])
+        # the shard's sums of p~^2, p~ q~, q~^2 with p~ = e_p / sum e_p its local softmax
+        norm = torch.exp(m - lse)                              # [2, n]
+        local = torch.stack((*lse, dots[:n, 0, 0] * norm[0] ** 2, dots[:n, 0, 1] * norm[0] * norm[1],
+                             dots[:n, 1, 1] * norm[1] ** 2))   # [5, n]
+        every = _gather_ranks(local, shard.group)              # [TP, 5, n]
+        log_z = torch.logsumexp(every[:, :2], dim=0)           # [2, n]
+        w_p, w_q = torch.exp(every[:, :2] - log_z).unbind(1)   # each rank's share of p, of q
+        p2, pq, q2 = ((w_p * w_p * every[:, 2]).sum(0), (w_p * w_q * every[:, 3]).sum(0),
+                      (w_q * w_q * every[:, 4]).sum(0))
+        totals = (p2 - pq, pq - q2)                             # S, T
+        alpha, beta = torch.exp(m - log_z).unsqueeze(-1)        # [n, 1] each
         if factors[0] is not None:
             torch.mul(alpha[:, 0], -2, out=factors[0][rs])
         if factors[1] is not None:
@@ -471,16 +471,24 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
         for t, g in tiles:
             if valid == 0:
                 break
+            nt = t.stop - t.start
+            e_p, q = e[t, 0], e[t, 1].mul_(beta[t])
             r = e[t, -1]
-            for grad, total, probs in zip(grads, sums[1:], (e[t, 0], e[t, 1])):
+            if want_base:
+                torch.addcmul(q, e_p, alpha[t], value=-1, out=r)
+            else:
+                q.addcmul_(e_p, alpha[t], value=-1)             # r over q
+            torch.bmm(r.unsqueeze(1), r.unsqueeze(2), out=dots[t, :1, :1])
+            values[g] = dots[t, 0, 0]
+            for grad, total, probs in zip(grads, totals, (e_p, q)):
                 if grad is None:
                     continue
                 direct = grad.dtype == dtype
-                out = grad[g, :valid] if direct else tile_ws.take("half", t.stop - t.start)
+                out = grad[g, :valid] if direct else tile_ws.take("half", nt)
                 torch.add(r, total[t].unsqueeze(1), out=out).mul_(probs)
                 if not direct:
                     grad[g, :valid] = out
-    return values, grads, factors
+    return _all_reduce(values, dist.ReduceOp.SUM, shard.group), grads, factors
 
 
 class _FullVocabDivergence(torch.autograd.Function):
@@ -579,3 +587,4 @@ def prob_l2_divergence(logits: torch.Tensor, logits_base: torch.Tensor, group=No
     return _FullVocabDivergence.apply(logits, logits_base,
                                       partial(_prob_l2_pass, tile_elements=tile_elements), shard,
                                       consume_base)
+
