@@ -56,7 +56,7 @@ CHUNK_BYTES = {"cpu": CHUNK_ELEMENTS * 4, "gpu": 128 << 20}
 # Divergence chunks: each costs two collectives (latency) and holds p and q of its rows (2 buffers
 # of this size; 2 more for the per-logit derivatives of half-precision logits, which are otherwise
 # written into the gradient): 16 MiB each on CPU, 256 MiB on GPU.
-DIVERGENCE_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20}
+DIVERGENCE_CHUNK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20}
 MIN_CHUNK_ROWS = {"cpu": 1, "gpu": 64}
 
 
@@ -422,73 +422,67 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
     Closed form, d = p - q, from d p_v / d z_j = p_v ([v = j] - p_j):
         dD/dz_j   =  2 p_j ((p_j - q_j) - sum_v p_v (p_v - q_v)),
         dD/dz^b_j = -2 q_j ((p_j - q_j) - sum_v q_v (p_v - q_v)).
-    With e_p = e^(z - m) on this shard (p = alpha e_p, alpha per row) and r = q - p = -d:
+    With e = e^(z - m) on this shard (p = alpha e_p, q = beta e_q; alpha, beta, m per row),
+    r = q - p = -d, and P2 = sum p^2, PQ = sum p q, Q2 = sum q^2 over the whole vocabulary:
         dD/dz_j   = -2 alpha * e_p,j (r_j + S),   S = sum_v p_v d_v = P2 - PQ,
-        dD/dz^b_j =  2       * q_j (r_j + T),     T = sum_v q_v d_v = PQ - Q2,
-    with P2 = sum p^2, PQ = sum p q, Q2 = sum q^2 over the whole vocabulary; the buffers hold
-    e_p (r + S) and q (r + T), and the factors -2 alpha and 2 go into the backward's per-row
-    scaling, which the upstream gradient needs anyway: p is never formed.
+        dD/dz^b_j =  2 beta  * e_q,j (r_j + T),   T = sum_v q_v d_v = PQ - Q2,
+        D = P2 - 2 PQ + Q2.
+    The buffers hold e (r + S), the factors -2 alpha, 2 beta go into the backward's per-row
+    scaling (which the upstream gradient needs anyway), and r + S = S - alpha e_p + beta e_q is
+    one batched matmul: p and q are never formed.
 
-    Per chunk, in cache-sized tiles: (1) e_p, e_q into one chunk buffer [n, k, V_valid], the
-    shard's log-sum-exps and the dot products of e_p, e_q (a batched matmul); one all_gather of
-    these [5, n] gives alpha, beta, S, T; (2) q = beta e_q, r = q - alpha e_p (an addcmul),
-    D's shard part |r|^2, and the buffers, written once (into z_b's rows with ``consume_base``:
-    read in (1), written in (2)). One collective per chunk and one all-reduce of D per call;
-    two exps per logit. D is a sum of squares of the elementwise r, exact where p and q are
-    close (P2 - 2 PQ + Q2 would cancel); S and T err by ~eps P2 like p - q itself does.
+    Per chunk, in cache-sized tiles: (1) e_p, e_q into one chunk buffer [n, 2, V_valid], their
+    shard sums and row dot products (a batched matmul, which reads each entry once and writes
+    nothing else); one all_gather of log-sum-exps and dot products [5, n] gives alpha, beta, S,
+    T and D; (2) r + S and the buffer, written once (into z_b's rows with ``consume_base``: read
+    in (1), written in (2)). One collective per chunk, two exps per logit; at 32k columns per
+    shard each op is bound by memory bandwidth (L2 included), so the design minimises bytes
+    moved per logit. Rounding: S, T and D err by ~eps (P2 + Q2) in absolute terms, as S and T
+    do when p - q is formed elementwise (p and q themselves carry ~eps relative error); D, a
+    difference of those sums, is clamped at 0 and exactly 0 for identical logits.
     """
     dtype, valid, device = _compute_dtype(z.dtype), shard.valid, z.device
     grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
     rows = z.shape[0]
-    values = torch.zeros(rows, dtype=dtype, device=device)
+    values = torch.empty(rows, dtype=dtype, device=device)
     factors = [None if grad is None else torch.empty(rows, dtype=dtype, device=device) for grad in grads]
     tile = rows_per(tile_elements, valid) if device.type == "cpu" else shard.chunk_size
     n_max = min(shard.chunk_size, rows)
-    slots = 3 if want_base else 2           # e_p, q, and r apart from q only while q is needed
-    stack_ws = Workspace(n_max, slots * valid, dtype, device)
-    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # upcasts, half-precision output
-    dots = torch.empty(n_max, 2, 2, dtype=dtype, device=device)
+    stack_ws = Workspace(n_max, 2 * valid, dtype, device)      # e_p, e_q of a chunk
+    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r + S, upcasts
+    dots = torch.zeros(n_max, 2, 2, dtype=dtype, device=device)   # stays 0 on a padding-only shard
     for rs in shard.chunks(rows):
         n = rs.stop - rs.start
         tiles = _divergence_tiles(rs, tile)
-        e = stack_ws.take("e", n).view(n, slots, valid)
+        e = stack_ws.take("e", n).view(n, 2, valid)
         m, lse = _shard_exps(z, z_b, e, tiles, shard, tile_ws, dots[:n])
-        # the shard's sums of p~^2, p~ q~, q~^2 with p~ = e_p / sum e_p its local softmax
-        norm = torch.exp(m - lse)                              # [2, n]
-        local = torch.stack((*lse, dots[:n, 0, 0] * norm[0] ** 2, dots[:n, 0, 1] * norm[0] * norm[1],
-                             dots[:n, 1, 1] * norm[1] ** 2))   # [5, n]
-        every = _gather_ranks(local, shard.group)              # [TP, 5, n]
-        log_z = torch.logsumexp(every[:, :2], dim=0)           # [2, n]
-        w_p, w_q = torch.exp(every[:, :2] - log_z).unbind(1)   # each rank's share of p, of q
-        p2, pq, q2 = ((w_p * w_p * every[:, 2]).sum(0), (w_p * w_q * every[:, 3]).sum(0),
-                      (w_q * w_q * every[:, 4]).sum(0))
-        totals = (p2 - pq, pq - q2)                             # S, T
-        alpha, beta = torch.exp(m - log_z).unsqueeze(-1)        # [n, 1] each
-        if factors[0] is not None:
-            torch.mul(alpha[:, 0], -2, out=factors[0][rs])
-        if factors[1] is not None:
-            factors[1][rs] = 2
+        every = _gather_ranks(torch.cat((m, lse, dots[:n].reshape(n, 4).T)), shard.group)  # [TP, 8, n]
+        log_z = torch.logsumexp(every[:, 2:4], dim=0)           # [2, n]
+        # every rank's alpha, beta ([TP, 2, n]) weight its dot products: [[P2, PQ], [PQ, Q2]] per row
+        u = torch.exp(every[:, :2] - log_z)
+        sums = (u.unsqueeze(2) * u.unsqueeze(1) * every[:, 4:].view(-1, 2, 2, n)).sum(0)   # [2, 2, n]
+        p2, pq, q2 = sums[0, 0], sums[0, 1], sums[1, 1]
+        torch.clamp_min(p2 - 2 * pq + q2, 0, out=values[rs])
+        scale = torch.exp(m - log_z)                            # this rank's alpha, beta: [2, n]
+        for factor, sign, k in zip(factors, (-2, 2), (0, 1)):
+            if factor is not None:
+                torch.mul(scale[k], sign, out=factor[rs])
+        coef = torch.stack((-scale[0], scale[1]), dim=-1).unsqueeze(1)   # [n, 1, 2]
+        totals = [(p2 - pq).view(n, 1, 1), (pq - q2).view(n, 1, 1)]      # S, T
         for t, g in tiles:
             if valid == 0:
                 break
             nt = t.stop - t.start
-            e_p, q = e[t, 0], e[t, 1].mul_(beta[t])
-            r = e[t, -1]
-            if want_base:
-                torch.addcmul(q, e_p, alpha[t], value=-1, out=r)
-            else:
-                q.addcmul_(e_p, alpha[t], value=-1)             # r over q
-            torch.bmm(r.unsqueeze(1), r.unsqueeze(2), out=dots[t, :1, :1])
-            values[g] = dots[t, 0, 0]
-            for grad, total, probs in zip(grads, totals, (e_p, q)):
+            for k, grad in enumerate(grads):
                 if grad is None:
                     continue
-                direct = grad.dtype == dtype
-                out = grad[g, :valid] if direct else tile_ws.take("half", nt)
-                torch.add(r, total[t].unsqueeze(1), out=out).mul_(probs)
-                if not direct:
-                    grad[g, :valid] = out
-    return _all_reduce(values, dist.ReduceOp.SUM, shard.group), grads, factors
+                h = torch.baddbmm(totals[k][t], coef[t], e[t], out=tile_ws.take("h", nt).unsqueeze(1))
+                h = h.squeeze(1)                                # r + S (k = 0) or r + T, [nt, V]
+                if grad.dtype == dtype:
+                    torch.mul(h, e[t, k], out=grad[g, :valid])
+                else:
+                    grad[g, :valid] = h.mul_(e[t, k])
+    return values, grads, factors
 
 
 class _FullVocabDivergence(torch.autograd.Function):
