@@ -22,7 +22,8 @@ Memory: tokens are processed in chunks of ``chunk_size`` rows (default: a per-de
 allocated on the logits' device, and nothing synchronises with the host. Log-prob/entropy keep no [tokens, V/TP] tensor for the backward, which
 recomputes p chunk by chunk (with ``inplace_backward`` the gradient overwrites the logits).
 Divergences compute their gradient in the forward, into the buffer the backward returns (with
-``consume_base``, the reference logits' storage).
+``consume_base``, the reference logits' storage); ProbL2 does so by a closed form of its own
+(:func:`prob_l2_divergence`).
 
 Allocation: each pass takes its chunk-sized temporaries from one :class:`Workspace`, allocated
 once per call and reused by every chunk (``out=`` ops and in-place updates; where the gradient's
@@ -53,9 +54,12 @@ import torch.distributed as dist
 # [tokens, V/TP] logits; the floor keeps a launch per few rows from ever happening.
 CHUNK_ELEMENTS = 1 << 18
 CHUNK_BYTES = {"cpu": CHUNK_ELEMENTS * 4, "gpu": 128 << 20}
-# Divergence chunks: each costs two collectives (latency) and holds p and q of its rows (2 buffers
-# of this size; 2 more for the per-logit derivatives of half-precision logits, which are otherwise
-# written into the gradient): 16 MiB each on CPU, 256 MiB on GPU.
+# Divergence chunks: each costs collectives (two; one for ProbL2) and holds the exps of both logits
+# over its rows (2 buffers of this size; 2 more for the per-logit derivatives of half-precision
+# logits in the generic pass, which are otherwise written into the gradient): written before the
+# chunk's collective and read after it, so on CPU they should stay in cache. 8 MiB each (65 rows of
+# a 32k shard): at 16 MiB KL and ProbL2 took 10-15% more CPU time (TP=1, measured), and smaller
+# chunks mean more collectives, ~0.3-0.9 ms of CPU each under gloo on a loaded machine. GPU: 256 MiB.
 DIVERGENCE_CHUNK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20}
 MIN_CHUNK_ROWS = {"cpu": 1, "gpu": 64}
 
@@ -304,30 +308,39 @@ def _divergence_tiles(rs: slice, tile: int):
 def _shard_exps(z, z_b, exps: torch.Tensor, tiles, shard: VocabShard, tile_ws: Workspace,
                 dots: torch.Tensor | None = None):
     """First phase of a divergence chunk: ``exps[t, k] = e^(z_k - m_k)`` on the valid columns of
-    z_0 = z and z_1 = z_b, tile by tile (m_k the row's max on this shard); returns m and the
-    shard's log-sum-exp, [2, n] each. With ``dots`` [n, 2, 2], also the row dot products of the
-    two exps (one batched matmul per tile, which reads each entry once and writes nothing else).
+    z_0 = z and z_1 = z_b, tile by tile (m_k the row's max on this shard); returns m and the sums
+    s_k = sum e^(z_k - m_k) over the shard, [2, n] each. With ``dots`` [n, 2, 2], also the row dot
+    products of the two exps (one batched matmul per tile, which reads each entry once and writes
+    nothing else).
 
     One exp per logit; max, exp and sum as separate cache-resident passes (the fused softmax
-    kernel normalises as well, and its log-sum-exp then costs two more passes: 2x slower on
-    CPU, measured). A shard with no valid column has m = lse = the most negative float.
+    kernel, which also normalises, plus two max passes to recover its log-sum-exp, made a whole
+    ProbL2 call 15% slower on CPU, measured). A shard with no valid column has m = the most
+    negative float and s = 0.
     """
     dtype, n = exps.dtype, exps.shape[0]
     m = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
-    lse = m.clone()
+    sums = torch.zeros(n, 2, dtype=dtype, device=exps.device)
     if shard.valid > 0:
-        sums = torch.empty(n, 2, dtype=dtype, device=exps.device)
         for t, g in tiles:
             for k, src in enumerate((z, z_b)):
-                c = tile_ws.upcast(src[g, :shard.valid])
-                torch.amax(c, dim=-1, out=m[k, t])
-                torch.sub(c, m[k, t].unsqueeze(1), out=exps[t, k])
+                c, m_k = tile_ws.upcast(src[g, :shard.valid]), m[k, t]
+                torch.amax(c, dim=-1, out=m_k)
+                torch.sub(c, m_k.unsqueeze(1), out=exps[t, k])
             e = exps[t, :2].exp_()
             torch.sum(e, dim=-1, out=sums[t])                   # [nt, 2] in one op
             if dots is not None:
                 torch.bmm(e, e.transpose(1, 2), out=dots[t])
-        torch.add(m, sums.T.log(), out=lse)
-    return m, lse
+    return m, sums.T
+
+
+def _global_normaliser(every: torch.Tensor):
+    """Every rank's row maxima and exp-sums ``every[:, :2]``, ``every[:, 2:4]`` ([TP, >= 4, n]) ->
+    the global max M and Z = sum_v e^(z_v - M) over all ranks, [2, n] each. A rank's exps times
+    exp(m - M) / Z are its part of the global softmax: the exponent is a difference of nearby
+    maxima, where exp(m - log Z) would carry the rounding of log Z (~eps |log Z| relative)."""
+    big_m = every[:, :2].amax(dim=0)
+    return big_m, (every[:, 2:4] * torch.exp(every[:, :2] - big_m)).sum(dim=0)
 
 
 def _gradient_buffers(z, z_b, valid: int, want: bool, want_base: bool, consume_base: bool):
@@ -377,9 +390,10 @@ def _divergence_pass(measure: "SeparableMeasure", z, z_b, shard: VocabShard, wan
         outs = [None if grad is None else (grad[rs, :valid] if grad.dtype == dtype
                                            else chunk_ws.take(name, n))
                 for grad, name in zip(grads, ("F", "G"))]
-        m, lse = _shard_exps(z, z_b, pq, tiles, shard, tile_ws)
-        log_z = torch.logsumexp(_gather_ranks(lse, shard.group), dim=0)   # [2, n]
-        scale = torch.exp(m - log_z).unsqueeze(-1)              # to the global softmax, [2, n, 1]
+        m, s = _shard_exps(z, z_b, pq, tiles, shard, tile_ws)
+        big_m, big_z = _global_normaliser(_gather_ranks(torch.cat((m, s)), shard.group))
+        log_z = big_m + big_z.log()                             # [2, n]
+        scale = (torch.exp(m - big_m) / big_z).unsqueeze(-1)    # to the global softmax, [2, n, 1]
         sums = torch.zeros(3, n, dtype=dtype, device=device)    # row sums of f, F, G
         for t, g in tiles:
             if valid == 0:
@@ -444,26 +458,25 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
     dtype, valid, device = _compute_dtype(z.dtype), shard.valid, z.device
     grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
     rows = z.shape[0]
-    values = torch.empty(rows, dtype=dtype, device=device)
+    values = torch.zeros(rows, dtype=dtype, device=device)
     factors = [None if grad is None else torch.empty(rows, dtype=dtype, device=device) for grad in grads]
     tile = rows_per(tile_elements, valid) if device.type == "cpu" else shard.chunk_size
     n_max = min(shard.chunk_size, rows)
     stack_ws = Workspace(n_max, 2 * valid, dtype, device)      # e_p, e_q of a chunk
-    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r + S, upcasts
+    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r, r + S, upcasts
     dots = torch.zeros(n_max, 2, 2, dtype=dtype, device=device)   # stays 0 on a padding-only shard
     for rs in shard.chunks(rows):
         n = rs.stop - rs.start
         tiles = _divergence_tiles(rs, tile)
         e = stack_ws.take("e", n).view(n, 2, valid)
-        m, lse = _shard_exps(z, z_b, e, tiles, shard, tile_ws, dots[:n])
-        every = _gather_ranks(torch.cat((m, lse, dots[:n].reshape(n, 4).T)), shard.group)  # [TP, 8, n]
-        log_z = torch.logsumexp(every[:, 2:4], dim=0)           # [2, n]
+        m, s = _shard_exps(z, z_b, e, tiles, shard, tile_ws, dots[:n])
+        every = _gather_ranks(torch.cat((m, s, dots[:n].reshape(n, 4).T)), shard.group)  # [TP, 8, n]
+        big_m, big_z = _global_normaliser(every)
         # every rank's alpha, beta ([TP, 2, n]) weight its dot products: [[P2, PQ], [PQ, Q2]] per row
-        u = torch.exp(every[:, :2] - log_z)
+        u = torch.exp(every[:, :2] - big_m) / big_z
         sums = (u.unsqueeze(2) * u.unsqueeze(1) * every[:, 4:].view(-1, 2, 2, n)).sum(0)   # [2, 2, n]
         p2, pq, q2 = sums[0, 0], sums[0, 1], sums[1, 1]
-        torch.clamp_min(p2 - 2 * pq + q2, 0, out=values[rs])
-        scale = torch.exp(m - log_z)                            # this rank's alpha, beta: [2, n]
+        scale = torch.exp(m - big_m) / big_z                    # this rank's alpha, beta: [2, n]
         for factor, sign, k in zip(factors, (-2, 2), (0, 1)):
             if factor is not None:
                 torch.mul(scale[k], sign, out=factor[rs])
@@ -473,16 +486,17 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
             if valid == 0:
                 break
             nt = t.stop - t.start
+            r = torch.bmm(coef[t], e[t], out=tile_ws.take("r", nt).unsqueeze(1))   # q - p, [nt, 1, V]
+            torch.bmm(r, r.transpose(1, 2), out=values[g].view(nt, 1, 1))        # D on this shard
             for k, grad in enumerate(grads):
                 if grad is None:
                     continue
-                h = torch.baddbmm(totals[k][t], coef[t], e[t], out=tile_ws.take("h", nt).unsqueeze(1))
-                h = h.squeeze(1)                                # r + S (k = 0) or r + T, [nt, V]
+                h = torch.add(r[:, 0], totals[k][t, 0], out=tile_ws.take("h", nt))   # r + S or r + T
                 if grad.dtype == dtype:
                     torch.mul(h, e[t, k], out=grad[g, :valid])
                 else:
                     grad[g, :valid] = h.mul_(e[t, k])
-    return values, grads, factors
+    return _all_reduce(values, dist.ReduceOp.SUM, shard.group), grads, factors
 
 
 class _FullVocabDivergence(torch.autograd.Function):
