@@ -305,11 +305,11 @@ def _divergence_tiles(rs: slice, tile: int):
             for i in range(rs.start, rs.stop, tile)]
 
 
-def _shard_exps(z, z_b, exps: torch.Tensor, tiles, shard: VocabShard, tile_ws: Workspace,
+def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
                 dots: torch.Tensor | None = None):
-    """First phase of a divergence chunk: ``exps[t, k] = e^(z_k - m_k)`` on the valid columns of
-    z_0 = z and z_1 = z_b, tile by tile (m_k the row's max on this shard); returns m and the sums
-    s_k = sum e^(z_k - m_k) over the shard, [2, n] each. With ``dots`` [n, 2, 2], also the row dot
+    """First phase of a divergence chunk: ``exps[:, k] = e^(z_k - m_k)`` from the chunk's rows
+    z_0 = z, z_1 = z_b [n, V_valid], ``tile`` rows at a time (m_k the row's max on this shard);
+    returns m and the sums s_k = sum e^(z_k - m_k) over the shard, [2, n] each. With ``dots`` [n, 2, 2], also the row dot
     products of the two exps (one batched matmul per tile, which reads each entry once and writes
     nothing else).
 
@@ -321,16 +321,19 @@ def _shard_exps(z, z_b, exps: torch.Tensor, tiles, shard: VocabShard, tile_ws: W
     dtype, n = exps.dtype, exps.shape[0]
     m = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
     sums = torch.zeros(n, 2, dtype=dtype, device=exps.device)
-    if shard.valid > 0:
-        for t, g in tiles:
-            for k, src in enumerate((z, z_b)):
-                c, m_k = tile_ws.upcast(src[g, :shard.valid]), m[k, t]
-                torch.amax(c, dim=-1, out=m_k)
-                torch.sub(c, m_k.unsqueeze(1), out=exps[t, k])
-            e = exps[t, :2].exp_()
-            torch.sum(e, dim=-1, out=sums[t])                   # [nt, 2] in one op
-            if dots is not None:
-                torch.bmm(e, e.transpose(1, 2), out=dots[t])
+    if exps.shape[-1] == 0:
+        return m, sums.T
+    # views of every tile at once (split), not a Python slice per tensor and tile
+    parts = zip(z.split(tile), z_b.split(tile), exps.split(tile), m.split(tile, dim=1), sums.split(tile),
+                dots.split(tile) if dots is not None else [None] * exps.shape[0])
+    for z_t, z_b_t, e, m_t, s_t, dots_t in parts:
+        for k, src in enumerate((z_t, z_b_t)):
+            c = tile_ws.upcast(src)
+            torch.amax(c, dim=-1, out=m_t[k])
+            torch.sub(c, m_t[k].unsqueeze(1), out=e[:, k])
+        torch.sum(e.exp_(), dim=-1, out=s_t)                    # [nt, 2] in one op
+        if dots_t is not None:
+            torch.bmm(e, e.transpose(1, 2), out=dots_t)
     return m, sums.T
 
 
@@ -390,7 +393,7 @@ def _divergence_pass(measure: "SeparableMeasure", z, z_b, shard: VocabShard, wan
         outs = [None if grad is None else (grad[rs, :valid] if grad.dtype == dtype
                                            else chunk_ws.take(name, n))
                 for grad, name in zip(grads, ("F", "G"))]
-        m, s = _shard_exps(z, z_b, pq, tiles, shard, tile_ws)
+        m, s = _shard_exps(z[rs, :valid], z_b[rs, :valid], pq, tile, tile_ws)
         big_m, big_z = _global_normaliser(_gather_ranks(torch.cat((m, s)), shard.group))
         log_z = big_m + big_z.log()                             # [2, n]
         scale = (torch.exp(m - big_m) / big_z).unsqueeze(-1)    # to the global softmax, [2, n, 1]
@@ -467,9 +470,8 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
     dots = torch.zeros(n_max, 2, 2, dtype=dtype, device=device)   # stays 0 on a padding-only shard
     for rs in shard.chunks(rows):
         n = rs.stop - rs.start
-        tiles = _divergence_tiles(rs, tile)
         e = stack_ws.take("e", n).view(n, 2, valid)
-        m, s = _shard_exps(z, z_b, e, tiles, shard, tile_ws, dots[:n])
+        m, s = _shard_exps(z[rs, :valid], z_b[rs, :valid], e, tile, tile_ws, dots[:n])
         every = _gather_ranks(torch.cat((m, s, dots[:n].reshape(n, 4).T)), shard.group)  # [TP, 8, n]
         big_m, big_z = _global_normaliser(every)
         # every rank's alpha, beta ([TP, 2, n]) weight its dot products: [[P2, PQ], [PQ, Q2]] per row
@@ -480,22 +482,26 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
         for factor, sign, k in zip(factors, (-2, 2), (0, 1)):
             if factor is not None:
                 torch.mul(scale[k], sign, out=factor[rs])
+        if valid == 0:
+            continue
         coef = torch.stack((-scale[0], scale[1]), dim=-1).unsqueeze(1)   # [n, 1, 2]
-        totals = [(p2 - pq).view(n, 1, 1), (pq - q2).view(n, 1, 1)]      # S, T
-        for t, g in tiles:
-            if valid == 0:
-                break
-            nt = t.stop - t.start
-            r = torch.bmm(coef[t], e[t], out=tile_ws.take("r", nt).unsqueeze(1))   # q - p, [nt, 1, V]
-            torch.bmm(r, r.transpose(1, 2), out=values[g].view(nt, 1, 1))        # D on this shard
-            for k, grad in enumerate(grads):
-                if grad is None:
+        totals = (p2 - pq, pq - q2)                                       # S, T
+        outs = [None if grad is None else (grad[rs, :valid].split(tile), totals[k].unsqueeze(1).split(tile))
+                for k, grad in enumerate(grads)]
+        for i, (e_t, coef_t, d_t) in enumerate(zip(e.split(tile), coef.split(tile),
+                                                   values[rs].view(n, 1, 1).split(tile))):
+            nt = e_t.shape[0]
+            r = torch.bmm(coef_t, e_t, out=tile_ws.take("r", nt).unsqueeze(1))   # q - p, [nt, 1, V]
+            torch.bmm(r, r.transpose(1, 2), out=d_t)            # D on this shard
+            for k, out in enumerate(outs):
+                if out is None:
                     continue
-                h = torch.add(r[:, 0], totals[k][t, 0], out=tile_ws.take("h", nt))   # r + S or r + T
-                if grad.dtype == dtype:
-                    torch.mul(h, e[t, k], out=grad[g, :valid])
+                grad_t, total_t = out[0][i], out[1][i]
+                h = torch.add(r[:, 0], total_t, out=tile_ws.take("h", nt))     # r + S or r + T
+                if grad_t.dtype == dtype:
+                    torch.mul(h, e_t[:, k], out=grad_t)
                 else:
-                    grad[g, :valid] = h.mul_(e[t, k])
+                    grad_t.copy_(h.mul_(e_t[:, k]))
     return _all_reduce(values, dist.ReduceOp.SUM, shard.group), grads, factors
 
 
