@@ -450,23 +450,28 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
 
     Per chunk, in cache-sized tiles: (1) e_p, e_q into one chunk buffer [n, 2, V_valid], their
     shard sums and row dot products (a batched matmul, which reads each entry once and writes
-    nothing else); one all_gather of log-sum-exps and dot products [5, n] gives alpha, beta, S,
-    T and D; (2) r + S and the buffer, written once (into z_b's rows with ``consume_base``: read
-    in (1), written in (2)). One collective per chunk, two exps per logit; at 32k columns per
-    shard each op is bound by memory bandwidth (L2 included), so the design minimises bytes
-    moved per logit. Rounding: S, T and D err by ~eps (P2 + Q2) in absolute terms, as S and T
-    do when p - q is formed elementwise (p and q themselves carry ~eps relative error); D, a
-    difference of those sums, is clamped at 0 and exactly 0 for identical logits.
+    nothing else); one all_gather of maxima, sums and dot products [8, n] gives alpha, beta,
+    S, T and D; (2) r + S (a batched matmul with K = 2) times e_p into the buffer, written once
+    (into z_b's rows with ``consume_base``: read in (1), written in (2)). One collective per
+    chunk, two exps per logit; at 32k columns per shard every op is bound by memory bandwidth
+    (L2 included), so the pass minimises bytes moved per logit (docs/performance.md).
+
+    Rounding: S, T and D come from dot products, so they err by ~eps (P2 + Q2) in absolute
+    terms (float32: ~1e-7 for a peaked distribution), where an elementwise p - q errs by ~eps
+    |p - q|; near-identical peaked distributions thus get D, and the gradient's S term, to
+    ~1e-7 absolute in float32 (docs/vocab_parallel.md). D is clamped at 0, and exactly 0 for
+    identical logits. Summing |r|^2 elementwise instead costs two more passes per logit
+    (+0.1x megatron's cross-entropy time, measured).
     """
     dtype, valid, device = _compute_dtype(z.dtype), shard.valid, z.device
     grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
     rows = z.shape[0]
-    values = torch.zeros(rows, dtype=dtype, device=device)
+    values = torch.empty(rows, dtype=dtype, device=device)
     factors = [None if grad is None else torch.empty(rows, dtype=dtype, device=device) for grad in grads]
     tile = rows_per(tile_elements, valid) if device.type == "cpu" else shard.chunk_size
     n_max = min(shard.chunk_size, rows)
     stack_ws = Workspace(n_max, 2 * valid, dtype, device)      # e_p, e_q of a chunk
-    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r, r + S, upcasts
+    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r + S, upcasts
     dots = torch.zeros(n_max, 2, 2, dtype=dtype, device=device)   # stays 0 on a padding-only shard
     for rs in shard.chunks(rows):
         n = rs.stop - rs.start
@@ -478,31 +483,30 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
         u = torch.exp(every[:, :2] - big_m) / big_z
         sums = (u.unsqueeze(2) * u.unsqueeze(1) * every[:, 4:].view(-1, 2, 2, n)).sum(0)   # [2, 2, n]
         p2, pq, q2 = sums[0, 0], sums[0, 1], sums[1, 1]
+        torch.clamp_min(p2 - 2 * pq + q2, 0, out=values[rs])
         scale = torch.exp(m - big_m) / big_z                    # this rank's alpha, beta: [2, n]
         for factor, sign, k in zip(factors, (-2, 2), (0, 1)):
             if factor is not None:
                 torch.mul(scale[k], sign, out=factor[rs])
-        if valid == 0:
+        if valid == 0 or grads == [None, None]:
             continue
         coef = torch.stack((-scale[0], scale[1]), dim=-1).unsqueeze(1)   # [n, 1, 2]
         totals = (p2 - pq, pq - q2)                                       # S, T
         outs = [None if grad is None else (grad[rs, :valid].split(tile), totals[k].unsqueeze(1).split(tile))
                 for k, grad in enumerate(grads)]
-        for i, (e_t, coef_t, d_t) in enumerate(zip(e.split(tile), coef.split(tile),
-                                                   values[rs].view(n, 1, 1).split(tile))):
+        for i, (e_t, coef_t) in enumerate(zip(e.split(tile), coef.split(tile))):
             nt = e_t.shape[0]
-            r = torch.bmm(coef_t, e_t, out=tile_ws.take("r", nt).unsqueeze(1))   # q - p, [nt, 1, V]
-            torch.bmm(r, r.transpose(1, 2), out=d_t)            # D on this shard
             for k, out in enumerate(outs):
                 if out is None:
                     continue
                 grad_t, total_t = out[0][i], out[1][i]
-                h = torch.add(r[:, 0], total_t, out=tile_ws.take("h", nt))     # r + S or r + T
+                h = torch.baddbmm(total_t.unsqueeze(1), coef_t, e_t,            # r + S or r + T
+                                  out=tile_ws.take("h", nt).unsqueeze(1))[:, 0]
                 if grad_t.dtype == dtype:
                     torch.mul(h, e_t[:, k], out=grad_t)
                 else:
                     grad_t.copy_(h.mul_(e_t[:, k]))
-    return _all_reduce(values, dist.ReduceOp.SUM, shard.group), grads, factors
+    return values, grads, factors
 
 
 class _FullVocabDivergence(torch.autograd.Function):
