@@ -2,8 +2,10 @@
 
 Each is separable, D(p || q) = sum_v f(p_v, q_v) over the vocabulary, with p = softmax(logits)
 the current policy and q = softmax(logits_base) the base (usually the reference) policy, and is
-computed by :func:`megadiv.divergence.vocab_parallel.separable_divergence` from vocab-parallel
-shards. A measure only writes f and its partial derivatives in a = log p and b = log q:
+computed from vocab-parallel shards by :func:`megadiv.divergence.vocab_parallel.separable_divergence`,
+for which a measure only writes f and its partial derivatives in a = log p and b = log q; ProbL2,
+the regulariser the trainer runs on every token, has its own closed-form pass
+(:func:`megadiv.divergence.vocab_parallel.prob_l2_divergence`):
 
     full_kl         KL(p || q) = sum_v p_v (log p_v - log q_v)     (current || base)
     full_prob_l2    sum_v (p_v - q_v)^2                            (Bregman, phi = sum p^2)
@@ -17,11 +19,12 @@ import torch
 
 from megadiv.divergence.mirror_map import NEURONS_PER_GROUP, PROB_FLOOR, MirrorMapConfig, NeuralMirrorMap, as_mirror_map
 from megadiv.divergence.registry import VocabDivergence, register_divergence
-from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, separable_divergence
+from megadiv.divergence.vocab_parallel import CHUNK_ELEMENTS, prob_l2_divergence, separable_divergence
 
 
 class SeparableVocabDivergence(VocabDivergence):
-    """Base of the full-vocabulary measures: subclasses implement ``pointwise``.
+    """Base of the full-vocabulary measures: subclasses implement ``pointwise`` (or, like
+    ``full_prob_l2``, ``forward`` with a pass of their own).
 
     ``chunk_size``: token rows per chunk (None: the device's byte budget, see vocab_parallel);
     each chunk costs two collectives and holds 2 x chunk x V/TP floats of buffers (p, q).
@@ -67,15 +70,14 @@ class FullKL(SeparableVocabDivergence):
 
 @register_divergence("full_prob_l2")
 class FullProbL2(SeparableVocabDivergence):
-    """sum_v (p_v - q_v)^2: f = (p - q)^2, df/da = 2 (p - q) p, df/db = -2 (p - q) q."""
+    """sum_v (p_v - q_v)^2, by a closed-form pass (``vocab_parallel._prob_l2_pass``): the sums
+    P2 = sum p^2, PQ = sum p q, Q2 = sum q^2 give D = P2 - 2 PQ + Q2 and the gradient
+    dD/dz_j = 2 p_j ((p_j - q_j) - (P2 - PQ)) with one collective per chunk and without forming
+    p or q (docs/performance.md, "Full-vocabulary ProbL2 in closed form")."""
 
-    def pointwise(self, a, b, p, q, out_a, out_b, ws):
-        diff = torch.sub(p, q, out=ws.take("diff", p.shape[0]))
-        if out_a is not None:
-            torch.mul(diff, p, out=out_a).mul_(2)
-        if out_b is not None:
-            torch.mul(diff, q, out=out_b).mul_(-2)
-        return diff.square_()
+    def forward(self, logits, logits_base, group=None, vocab_start=0, vocab_size=None):
+        return prob_l2_divergence(logits, logits_base, group, vocab_start, vocab_size, self.chunk_size,
+                                  self.consume_base, self.tile_elements)
 
 
 @register_divergence("full_mirror")

@@ -22,7 +22,8 @@ Memory: tokens are processed in chunks of ``chunk_size`` rows (default: a per-de
 allocated on the logits' device, and nothing synchronises with the host. Log-prob/entropy keep no [tokens, V/TP] tensor for the backward, which
 recomputes p chunk by chunk (with ``inplace_backward`` the gradient overwrites the logits).
 Divergences compute their gradient in the forward, into the buffer the backward returns (with
-``consume_base``, the reference logits' storage).
+``consume_base``, the reference logits' storage); ProbL2 does so by a closed form of its own
+(:func:`prob_l2_divergence`).
 
 Allocation: each pass takes its chunk-sized temporaries from one :class:`Workspace`, allocated
 once per call and reused by every chunk (``out=`` ops and in-place updates; where the gradient's
@@ -37,6 +38,7 @@ for float64 logits), and each logsumexp subtracts the maximum first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -52,10 +54,13 @@ import torch.distributed as dist
 # [tokens, V/TP] logits; the floor keeps a launch per few rows from ever happening.
 CHUNK_ELEMENTS = 1 << 18
 CHUNK_BYTES = {"cpu": CHUNK_ELEMENTS * 4, "gpu": 128 << 20}
-# Divergence chunks: each costs two collectives (latency) and holds p and q of its rows (2 buffers
-# of this size; 2 more for the per-logit derivatives of half-precision logits, which are otherwise
-# written into the gradient): 16 MiB each on CPU, 256 MiB on GPU.
-DIVERGENCE_CHUNK_BYTES = {"cpu": 16 << 20, "gpu": 256 << 20}
+# Divergence chunks: each costs collectives (two; one for ProbL2) and holds the exps of both logits
+# over its rows (2 buffers of this size; 2 more for the per-logit derivatives of half-precision
+# logits in the generic pass, which are otherwise written into the gradient): written before the
+# chunk's collective and read after it, so on CPU they should stay in cache. 8 MiB each (65 rows of
+# a 32k shard): at 16 MiB KL and ProbL2 took 10-15% more CPU time (TP=1, measured), and smaller
+# chunks mean more collectives, ~0.3-0.9 ms of CPU each under gloo on a loaded machine. GPU: 256 MiB.
+DIVERGENCE_CHUNK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20}
 MIN_CHUNK_ROWS = {"cpu": 1, "gpu": 64}
 
 
@@ -285,24 +290,84 @@ def entropy(logits: torch.Tensor, group=None, vocab_start: int = 0,
     return _LogProbEntropy.apply(logits, None, shard, True, inplace_backward)
 
 
-def _global_logsumexp(lse: torch.Tensor, group) -> torch.Tensor:
-    """logsumexp over ranks of per-rank logsumexps lse [k, B] -> [k, B] (one all_gather)."""
+def _gather_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """x of every rank of ``group``, stacked: [TP, *x.shape] (one all_gather; [1, ...] unsharded)."""
     if group is None:
-        return lse
-    parts = [torch.empty_like(lse) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, lse.contiguous(), group=group)
-    return torch.logsumexp(torch.stack(parts), dim=0)
+        return x.unsqueeze(0)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
 
 
-def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, want: bool,
+def _divergence_tiles(rs: slice, tile: int):
+    """(chunk rows, global rows) of each tile of chunk ``rs``."""
+    return [(slice(i - rs.start, min(i + tile, rs.stop) - rs.start), slice(i, min(i + tile, rs.stop)))
+            for i in range(rs.start, rs.stop, tile)]
+
+
+def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
+                dots: torch.Tensor | None = None):
+    """First phase of a divergence chunk: ``exps[:, k] = e^(z_k - m_k)`` from the chunk's rows
+    z_0 = z, z_1 = z_b [n, V_valid], ``tile`` rows at a time (m_k the row's max on this shard);
+    returns m and the sums s_k = sum e^(z_k - m_k) over the shard, [2, n] each. With ``dots`` [n, 2, 2], also the row dot
+    products of the two exps (one batched matmul per tile, which reads each entry once and writes
+    nothing else).
+
+    One exp per logit; max, exp and sum as separate cache-resident passes (the fused softmax
+    kernel, which also normalises, plus two max passes to recover its log-sum-exp, made a whole
+    ProbL2 call 15% slower on CPU, measured). A shard with no valid column has m = the most
+    negative float and s = 0.
+    """
+    dtype, n = exps.dtype, exps.shape[0]
+    m = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
+    sums = torch.zeros(n, 2, dtype=dtype, device=exps.device)
+    if exps.shape[-1] == 0:
+        return m, sums.T
+    # views of every tile at once (split), not a Python slice per tensor and tile
+    parts = zip(z.split(tile), z_b.split(tile), exps.split(tile), m.split(tile, dim=1), sums.split(tile),
+                dots.split(tile) if dots is not None else [None] * exps.shape[0])
+    for z_t, z_b_t, e, m_t, s_t, dots_t in parts:
+        for k, src in enumerate((z_t, z_b_t)):
+            c = tile_ws.upcast(src)
+            torch.amax(c, dim=-1, out=m_t[k])
+            torch.sub(c, m_t[k].unsqueeze(1), out=e[:, k])
+        torch.sum(e.exp_(), dim=-1, out=s_t)                    # [nt, 2] in one op
+        if dots_t is not None:
+            torch.bmm(e, e.transpose(1, 2), out=dots_t)
+    return m, sums.T
+
+
+def _global_normaliser(every: torch.Tensor):
+    """Every rank's row maxima and exp-sums ``every[:, :2]``, ``every[:, 2:4]`` ([TP, >= 4, n]) ->
+    the global max M and Z = sum_v e^(z_v - M) over all ranks, [2, n] each. A rank's exps times
+    exp(m - M) / Z are its part of the global softmax: the exponent is a difference of nearby
+    maxima, where exp(m - log Z) would carry the rounding of log Z (~eps |log Z| relative)."""
+    big_m = every[:, :2].amax(dim=0)
+    return big_m, (every[:, 2:4] * torch.exp(every[:, :2] - big_m)).sum(dim=0)
+
+
+def _gradient_buffers(z, z_b, valid: int, want: bool, want_base: bool, consume_base: bool):
+    """The gradients' [N, V/TP] buffers (None where not wanted), padding columns zeroed; with
+    ``consume_base`` the logits' gradient is z_b's storage."""
+    grads = [torch.empty_like(x) if w else None for x, w in ((z, want and not consume_base),
+                                                              (z_b, want_base))]
+    if want and consume_base:
+        grads[0] = z_b
+    for grad in grads:
+        if grad is not None:
+            grad[:, valid:] = 0
+    return grads
+
+
+def _divergence_pass(measure: "SeparableMeasure", z, z_b, shard: VocabShard, want: bool,
                      want_base: bool, consume_base: bool = False):
-    """Per-token D [N] and the per-token gradients dD/dz [N, V/TP], dD/dz_b (None unless
-    wanted) of the shards z, z_b [N, V/TP].
+    """Per-token D [N], the per-token gradients dD/dz [N, V/TP], dD/dz_b (None unless wanted)
+    of the shards z, z_b [N, V/TP], and their per-row factors (None: 1).
 
-    Per chunk of rows, in cache-sized tiles: (1) shard softmax of both logits into chunk buffers
-    p, q and the shard logsumexps; one all_gather of those gives the global ones; (2) rescale
-    p, q to the global softmax, f/F/G per logit, row sums; one all-reduce of the sums;
-    (3) gradients F - p sum F and G - q sum G. Two collectives per chunk, two exps per logit.
+    Per chunk of rows, in cache-sized tiles: (1) shard exps of both logits into one chunk buffer
+    [n, 2, V_valid] (p, q) and the factors to the global softmax (one all_gather); (2) rescale
+    p, q, f/F/G per logit, row sums; one all-reduce of the sums; (3) gradients F - p sum F and
+    G - q sum G. Two collectives per chunk, two exps per logit.
     F and G are written straight into the gradient's rows and finished there in place (into a
     chunk buffer first when the gradient is half precision). ``consume_base``: write dD/dz into
     z_b's storage (each tile's rows of z_b are read before they are written), sparing a fresh
@@ -310,40 +375,29 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
     """
     dtype = _compute_dtype(z.dtype)
     valid = shard.valid
-    grads = [torch.empty_like(x) if w else None for x, w in ((z, want and not consume_base),
-                                                              (z_b, want_base))]
-    if want and consume_base:
-        grads[0] = z_b
-    for grad in grads:
-        if grad is not None:
-            grad[:, valid:] = 0                                 # padding columns
+    grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
     device = z.device
     values = torch.zeros(z.shape[0], dtype=dtype, device=device)
     # tiles keep a CPU core's cache warm; a GPU kernel takes the whole chunk at once
     tile = rows_per(measure.tile_elements, valid) if device.type == "cpu" else shard.chunk_size
     rows = min(shard.chunk_size, z.shape[0])
-    chunk_ws = Workspace(rows, valid, dtype, device)           # p, q (and F, G if half precision)
+    chunk_ws = Workspace(rows, valid, dtype, device)           # F, G if half precision
+    pq_ws = Workspace(rows, 2 * valid, dtype, device)          # p, q
     tile_ws = Workspace(min(tile, rows), valid, dtype, device)  # a, b, upcasts, measure scratch
     for rs in shard.chunks(z.shape[0]):
         n = rs.stop - rs.start
-        tiles = [(slice(i, min(i + tile, n)), slice(rs.start + i, min(rs.start + i + tile, rs.stop)))
-                 for i in range(0, n, tile)]                    # (chunk rows, global rows)
-        local = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=device)  # padding only
-        p, q = chunk_ws.take("p", n), chunk_ws.take("q", n)
+        tiles = _divergence_tiles(rs, tile)
+        pq = pq_ws.take("pq", n).view(n, 2, valid)
+        p, q = pq[:, 0], pq[:, 1]
         # where F, G go: the gradient's own rows, or float32 chunk buffers for a half gradient
         outs = [None if grad is None else (grad[rs, :valid] if grad.dtype == dtype
                                            else chunk_ws.take(name, n))
                 for grad, name in zip(grads, ("F", "G"))]
-        for t, g in tiles:
-            for k, (buf, src) in enumerate(((p, z), (q, z_b))):
-                if valid > 0:
-                    c = tile_ws.upcast(src[g, :valid])
-                    torch.ops.aten._softmax.out(c, -1, False, out=buf[t])   # fused, no copy
-                    # the largest entry of a softmax is 1 / sum e^(c - max): lse without more exps
-                    local[k, t] = c.amax(dim=-1) - torch.log(buf[t].amax(dim=-1))
-        total = _global_logsumexp(local, shard.group)
+        m, s = _shard_exps(z[rs, :valid], z_b[rs, :valid], pq, tile, tile_ws)
+        big_m, big_z = _global_normaliser(_gather_ranks(torch.cat((m, s)), shard.group))
+        log_z = big_m + big_z.log()                             # [2, n]
+        scale = (torch.exp(m - big_m) / big_z).unsqueeze(-1)    # to the global softmax, [2, n, 1]
         sums = torch.zeros(3, n, dtype=dtype, device=device)    # row sums of f, F, G
-        scale = torch.exp(local - total).unsqueeze(-1)          # shard -> global softmax, [2, n, 1]
         for t, g in tiles:
             if valid == 0:
                 break
@@ -351,8 +405,8 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
             p_t, q_t = p[t].mul_(scale[0, t]), q[t].mul_(scale[1, t])
             a = b = None
             if measure.uses_log_probs:   # read before F overwrites z_b's rows (consume_base)
-                a = torch.sub(z[g, :valid], total[0, t].unsqueeze(1), out=tile_ws.take("a", nt))
-                b = torch.sub(z_b[g, :valid], total[1, t].unsqueeze(1), out=tile_ws.take("b", nt))
+                a = torch.sub(z[g, :valid], log_z[0, t].unsqueeze(1), out=tile_ws.take("a", nt))
+                b = torch.sub(z_b[g, :valid], log_z[1, t].unsqueeze(1), out=tile_ws.take("b", nt))
             out_a, out_b = (None if out is None else out[t] for out in outs)
             f = measure.pointwise(a, b, p_t, q_t, out_a, out_b, tile_ws)
             torch.sum(f, dim=-1, out=sums[0, t])
@@ -374,26 +428,101 @@ def _divergence_pass(z, z_b, measure: "SeparableMeasure", shard: VocabShard, wan
                     out[t].add_(correction)
                 else:
                     torch.add(out[t], correction, out=grad[g, :valid])
-    return values, grads
+    return values, grads, (None, None)
 
 
-class _SeparableDivergence(torch.autograd.Function):
-    """D = sum_v f(log p_v, log q_v) per token, p = softmax(logits), q = softmax(logits_base).
+def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
+                  consume_base: bool = False, tile_elements: int = CHUNK_ELEMENTS):
+    """ProbL2 D = sum_v (p_v - q_v)^2 per token [N], with its gradients up to per-row factors
+    ([N] each: the gradient is factor x buffer), of the shards z, z_b [N, V/TP].
 
-    With F = df/da and G = df/db at each column (a = log p, b = log q), d a_v / d z_k = [v = k] - p_k
-    gives the gradients
-        dD/dz_k = F_k - p_k sum_v F_v,     dD/dz^base_k = G_k - q_k sum_v G_v.
-    D is a loss term (all that follows is a per-token weight g), so the forward writes these
-    per-token gradients into the gradient buffers while p and q are at hand, and the backward
-    scales rows by g in place: two exps per logit in all, where a recomputing backward needs
-    four. The buffers exist only for inputs that require grad (compute metrics under no_grad).
-    A second backward through the same graph (retain_graph, gradcheck) finds the buffers
-    consumed and recomputes them from the logits, provided those were not modified since.
+    Closed form, d = p - q, from d p_v / d z_j = p_v ([v = j] - p_j):
+        dD/dz_j   =  2 p_j ((p_j - q_j) - sum_v p_v (p_v - q_v)),
+        dD/dz^b_j = -2 q_j ((p_j - q_j) - sum_v q_v (p_v - q_v)).
+    With e = e^(z - m) on this shard (p = alpha e_p, q = beta e_q; alpha, beta, m per row),
+    r = q - p = -d, and P2 = sum p^2, PQ = sum p q, Q2 = sum q^2 over the whole vocabulary:
+        dD/dz_j   = -2 alpha * e_p,j (r_j + S),   S = sum_v p_v d_v = P2 - PQ,
+        dD/dz^b_j =  2 beta  * e_q,j (r_j + T),   T = sum_v q_v d_v = PQ - Q2,
+        D = P2 - 2 PQ + Q2.
+    The buffers hold e (r + S), the factors -2 alpha, 2 beta go into the backward's per-row
+    scaling (which the upstream gradient needs anyway), and r + S = S - alpha e_p + beta e_q is
+    one batched matmul: p and q are never formed.
+
+    Per chunk, in cache-sized tiles: (1) e_p, e_q into one chunk buffer [n, 2, V_valid], their
+    shard sums and row dot products (a batched matmul, which reads each entry once and writes
+    nothing else); one all_gather of maxima, sums and dot products [8, n] gives alpha, beta,
+    S, T and D; (2) r + S (a batched matmul with K = 2) times e_p into the buffer, written once
+    (into z_b's rows with ``consume_base``: read in (1), written in (2)). One collective per
+    chunk, two exps per logit; at 32k columns per shard every op is bound by memory bandwidth
+    (L2 included), so the pass minimises bytes moved per logit (docs/performance.md).
+
+    Rounding: S, T and D come from dot products, so they err by ~eps (P2 + Q2) in absolute
+    terms (float32: ~1e-7 for a peaked distribution), where an elementwise p - q errs by ~eps
+    |p - q|; near-identical peaked distributions thus get D, and the gradient's S term, to
+    ~1e-7 absolute in float32 (docs/vocab_parallel.md). D is clamped at 0, and exactly 0 for
+    identical logits. Summing |r|^2 elementwise instead costs two more passes per logit
+    (+0.1x megatron's cross-entropy time, measured).
+    """
+    dtype, valid, device = _compute_dtype(z.dtype), shard.valid, z.device
+    grads = _gradient_buffers(z, z_b, valid, want, want_base, consume_base)
+    rows = z.shape[0]
+    values = torch.empty(rows, dtype=dtype, device=device)
+    factors = [None if grad is None else torch.empty(rows, dtype=dtype, device=device) for grad in grads]
+    tile = rows_per(tile_elements, valid) if device.type == "cpu" else shard.chunk_size
+    n_max = min(shard.chunk_size, rows)
+    stack_ws = Workspace(n_max, 2 * valid, dtype, device)      # e_p, e_q of a chunk
+    tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r + S, upcasts
+    dots = torch.zeros(n_max, 2, 2, dtype=dtype, device=device)   # stays 0 on a padding-only shard
+    for rs in shard.chunks(rows):
+        n = rs.stop - rs.start
+        e = stack_ws.take("e", n).view(n, 2, valid)
+        m, s = _shard_exps(z[rs, :valid], z_b[rs, :valid], e, tile, tile_ws, dots[:n])
+        every = _gather_ranks(torch.cat((m, s, dots[:n].reshape(n, 4).T)), shard.group)  # [TP, 8, n]
+        big_m, big_z = _global_normaliser(every)
+        # every rank's alpha, beta ([TP, 2, n]) weight its dot products: [[P2, PQ], [PQ, Q2]] per row
+        u = torch.exp(every[:, :2] - big_m) / big_z
+        sums = (u.unsqueeze(2) * u.unsqueeze(1) * every[:, 4:].view(-1, 2, 2, n)).sum(0)   # [2, 2, n]
+        p2, pq, q2 = sums[0, 0], sums[0, 1], sums[1, 1]
+        torch.clamp_min(p2 - 2 * pq + q2, 0, out=values[rs])
+        scale = torch.exp(m - big_m) / big_z                    # this rank's alpha, beta: [2, n]
+        for factor, sign, k in zip(factors, (-2, 2), (0, 1)):
+            if factor is not None:
+                torch.mul(scale[k], sign, out=factor[rs])
+        if valid == 0 or grads == [None, None]:
+            continue
+        coef = torch.stack((-scale[0], scale[1]), dim=-1).unsqueeze(1)   # [n, 1, 2]
+        totals = (p2 - pq, pq - q2)                                       # S, T
+        outs = [None if grad is None else (grad[rs, :valid].split(tile), totals[k].unsqueeze(1).split(tile))
+                for k, grad in enumerate(grads)]
+        for i, (e_t, coef_t) in enumerate(zip(e.split(tile), coef.split(tile))):
+            nt = e_t.shape[0]
+            for k, out in enumerate(outs):
+                if out is None:
+                    continue
+                grad_t, total_t = out[0][i], out[1][i]
+                h = torch.baddbmm(total_t.unsqueeze(1), coef_t, e_t,            # r + S or r + T
+                                  out=tile_ws.take("h", nt).unsqueeze(1))[:, 0]
+                if grad_t.dtype == dtype:
+                    torch.mul(h, e_t[:, k], out=grad_t)
+                else:
+                    grad_t.copy_(h.mul_(e_t[:, k]))
+    return values, grads, factors
+
+
+class _FullVocabDivergence(torch.autograd.Function):
+    """D per token from the logit shards of the current (p) and base (q) policies, by a pass
+    ``divergence_pass(z, z_b, shard, want, want_base, consume_base) -> (values, grads, factors)``
+    that computes the per-token gradients in the forward, while p and q are at hand (a per-row
+    ``factor`` [N] scales a gradient buffer; None: 1). D is a loss term (all that follows is a
+    per-token weight g), so the backward only scales rows by g (x factor) in place: two exps per
+    logit in all, where a recomputing backward needs four. The buffers exist only for inputs that
+    require grad (compute metrics under no_grad). A second backward through the same graph
+    (retain_graph, gradcheck) finds the buffers consumed and recomputes them from the logits,
+    provided those were not modified since.
     """
 
     @staticmethod
-    def forward(ctx, logits, logits_base, measure: "SeparableMeasure", shard: VocabShard,
-                consume_base: bool):
+    def forward(ctx, logits, logits_base, divergence_pass, shard: VocabShard, consume_base: bool):
         if logits.shape != logits_base.shape:
             raise ValueError(f"logits {tuple(logits.shape)} and logits_base "
                              f"{tuple(logits_base.shape)} differ in shape")
@@ -401,28 +530,30 @@ class _SeparableDivergence(torch.autograd.Function):
         z_b = logits_base.reshape(-1, logits_base.shape[-1])
         if consume_base and (ctx.needs_input_grad[1] or z_b.dtype != z.dtype):
             raise ValueError("consume_base needs a base that requires no grad, of the logits' dtype")
-        values, ctx.grads = _divergence_pass(z, z_b, measure, shard, *ctx.needs_input_grad[:2],
-                                             consume_base)
+        values, *grads = divergence_pass(z, z_b, shard, *ctx.needs_input_grad[:2], consume_base)
+        ctx.grads = grads                                       # [buffers, factors]
         # Not save_for_backward: the fast path never reads the logits, and an in-place backward of
         # another function on the same logits (log_probs_and_entropy) must not trip the check.
         ctx.inputs = (z, z_b, logits._version, logits_base._version)
-        ctx.measure, ctx.shard, ctx.shapes = measure, shard, (logits.shape, logits_base.shape)
+        ctx.divergence_pass, ctx.shard = divergence_pass, shard
+        ctx.shapes = (logits.shape, logits_base.shape)
         return values.reshape(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, g):
-        grads = ctx.grads
-        if grads is None:
+        if ctx.grads is None:
             z, z_b, version, version_b = ctx.inputs
             if (z._version, z_b._version) != (version, version_b):
                 raise RuntimeError("a second backward through a full-vocabulary divergence needs "
                                    "its logits, which were modified in place after the forward")
-            grads = _divergence_pass(z, z_b, ctx.measure, ctx.shard, *ctx.needs_input_grad[:2])[1]
+            ctx.grads = ctx.divergence_pass(z, z_b, ctx.shard, *ctx.needs_input_grad[:2])[1:]
+        grads, factors = ctx.grads
         ctx.grads = None
-        scale = g.reshape(-1, 1)
-        for grad in grads:
+        g = g.reshape(-1)
+        for grad, factor in zip(grads, factors):
             if grad is None:
                 continue
+            scale = (g if factor is None else g * factor).unsqueeze(1)
             if grad.dtype == scale.dtype:
                 grad.mul_(scale)
                 continue
@@ -460,4 +591,18 @@ def separable_divergence(measure: SeparableMeasure, logits: torch.Tensor, logits
     for a reference whose logits serve nothing else; the base must not require grad.
     """
     shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size, DIVERGENCE_CHUNK_BYTES)
-    return _SeparableDivergence.apply(logits, logits_base, measure, shard, consume_base)
+    return _FullVocabDivergence.apply(logits, logits_base, partial(_divergence_pass, measure), shard,
+                                      consume_base)
+
+
+def prob_l2_divergence(logits: torch.Tensor, logits_base: torch.Tensor, group=None,
+                       vocab_start: int = 0, vocab_size: int | None = None,
+                       chunk_size: int | None = None, consume_base: bool = False,
+                       tile_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """sum_v (p_v - q_v)^2 per token ([...]) from logit shards [..., V/TP]; as
+    :func:`separable_divergence` with f = (p - q)^2, by the closed-form pass ``_prob_l2_pass``."""
+    shard = VocabShard.of(logits, group, vocab_start, vocab_size, chunk_size, DIVERGENCE_CHUNK_BYTES)
+    return _FullVocabDivergence.apply(logits, logits_base,
+                                      partial(_prob_l2_pass, tile_elements=tile_elements), shard,
+                                      consume_base)
+
