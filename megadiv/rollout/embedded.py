@@ -235,8 +235,9 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), with every product below 2**49 (no int64 overflow)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    """(x * c) mod 2**32 for x, c in [0, 2**32): the int64 product wraps modulo 2**64 (torch's integer
+    multiply is two's complement), which keeps its low 32 bits exact; one multiply, not three."""
+    return (x * c) & _M32
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
