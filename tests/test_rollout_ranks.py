@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megadiv.rollout import SamplingParams
-from megadiv.rollout.embedded import EmbeddedEngine, hashed_uniforms
+from megadiv.rollout.embedded import EmbeddedEngine, hashed_uniforms, inverse_cdf_sample
 from tests.torchrun import run_torchrun
 
 PROMPTS = [[5, 17, 33, 8], [40, 41], [9, 60, 61, 62, 63, 64, 70], [3, 3, 3]]
@@ -25,28 +25,52 @@ def engine(hf_dir):
     engine.shutdown()
 
 
-def test_gumbel_max_on_the_hashed_uniforms_samples_the_softmax():
-    """argmax(logits + Gumbel(u)) over 200k rows: each token's frequency within 4.5 standard errors
-    of softmax(logits) (deterministic: the noise is a function of its counters)."""
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.25, 1.5], dtype=torch.float64)
+def test_inverse_cdf_on_the_hashed_uniforms_samples_the_softmax():
+    """200k rows at one position, a vocabulary of 1,000 tokens in blocks of 64 with tokens of weight 0
+    in between (top-k / top-p) and a padded last block: every draw is the token a float64 search of
+    the whole CDF gives, weight-0 tokens are never drawn, and the counts fit softmax(logits)
+    (chi-square over the 696 live tokens within 4.5 standard deviations of its mean; deterministic:
+    the uniforms are functions of their counters)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=gen, dtype=torch.float64) * 2
+    logits[torch.randperm(1000, generator=gen)[:300]] = float("-inf")  # truncated away
+    logits[[0, 63, 64, 999]] = float("-inf")  # at block edges
     rows = 200_000
-    u = hashed_uniforms(seed=123, rows=torch.arange(rows), step=2, vocab=len(logits))
-    assert 0 < float(u.min()) and float(u.max()) < 1
-    draws = (logits - torch.log(-torch.log(u))).argmax(-1)
-    freq = torch.bincount(draws, minlength=len(logits)).double() / rows
-    p = logits.softmax(-1)
-    assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / rows).sqrt()).all(), (freq, p)
+    u = hashed_uniforms(seed=123, rows=torch.arange(rows), step=2)
+    weights = (logits - logits.max()).exp().float().expand(rows, -1)
+    draws = inverse_cdf_sample(weights, u, block=64)
+    cdf = weights[0].double().cumsum(0)
+    assert torch.equal(draws, torch.searchsorted(cdf, u * cdf[-1], right=True))
+    counts = torch.bincount(draws, minlength=len(logits)).double()
+    expected = logits.softmax(-1) * rows
+    live = expected > 0
+    assert (counts[~live] == 0).all()
+    chi2, dof = float(((counts - expected)[live] ** 2 / expected[live]).sum()), int(live.sum()) - 1
+    assert abs(chi2 - dof) <= 4.5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_inverse_cdf_sample_at_the_edges_of_the_mass():
+    """u near 0 and near 1 return the first and last token of positive weight, whatever the blocks."""
+    weights = torch.zeros(2, 300)
+    weights[:, [5, 130, 290]] = torch.tensor([1.0, 2.0, 1.0])
+    u = torch.tensor([2.0**-53, 1 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf_sample(weights, u, block=64).tolist() == [5, 290]
+    u = torch.tensor([0.25 - 1e-9, 0.25 + 1e-9], dtype=torch.float64)  # around the first boundary
+    assert inverse_cdf_sample(weights, u, block=64).tolist() == [5, 130]
 
 
 def test_hashed_uniforms_depend_on_each_counter_and_nothing_else():
-    u = hashed_uniforms(7, torch.arange(64), 0, 50)
-    assert torch.equal(u[10:20], hashed_uniforms(7, torch.arange(10, 20), 0, 50))  # a row alone = in a batch
-    for other in (hashed_uniforms(8, torch.arange(64), 0, 50), hashed_uniforms(7, torch.arange(64), 1, 50)):
-        assert (other != u).float().mean() > 0.99
-    # no two rows share (a permutation of) one noise vector; rows are uncorrelated
-    assert len({tuple(sorted(row.tolist())) for row in u}) == 64
-    corr = torch.corrcoef(u)
-    assert (corr - torch.eye(64)).abs().max() < 0.6  # 50 samples per pair: |r| > 0.6 is a 4.2 sigma event
+    u = hashed_uniforms(7, torch.arange(100_000), 0)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert torch.equal(u[10:20], hashed_uniforms(7, torch.arange(10, 20), 0))  # a row alone = in a batch
+    for other in (hashed_uniforms(8, torch.arange(100_000), 0), hashed_uniforms(7, torch.arange(100_000), 1)):
+        assert (other != u).all()
+        assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 0.015  # 4.7 sigma at n = 1e5
+    # uniform: 100 equal bins within 4.5 standard errors of 1,000 each; consecutive rows uncorrelated
+    counts = torch.histc(u, bins=100, min=0, max=1)
+    assert ((counts - 1000).abs() <= 4.5 * (1000 * 0.99) ** 0.5).all()
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.015
+    assert len(set(u.tolist())) == len(u)  # 53 bits: no repeats among 1e5 draws
 
 
 def test_a_call_split_into_slices_gives_the_completions_of_one_call(engine):
