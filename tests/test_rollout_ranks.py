@@ -2,6 +2,8 @@
 instead of copied, and generation split over the ranks (one torchrun launch, tests/dist/embedded_ranks.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,6 +93,23 @@ def test_a_call_split_into_slices_gives_the_completions_of_one_call(engine):
     torch.manual_seed(3)
     assert [[c.token_ids for c in g] for g in engine.generate(PROMPTS, params)] == [[c.token_ids for c in g]
                                                                                     for g in first]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=4, temperature=0.7, top_k=30, top_p=0.9, max_new_tokens=8),
+                                    SamplingParams(n=3, temperature=0.0, max_new_tokens=8)], ids=["sampled", "greedy"])
+def test_the_prompt_prefill_shared_by_a_prompts_samples_changes_nothing(engine, params):
+    """n > 1: each prompt's KV cache is computed once and repeated for its n samples. The same rows
+    as n = 1 calls on the prompts repeated n times (no sharing; row r = i * n + j either way) give
+    the same tokens, log-probs to float32 rounding; prompts of 1 to 7 tokens (the shortest is all
+    padding in the shared prefill)."""
+    prompts = PROMPTS + [[11]]
+    shared = engine.generate(prompts, params, seed=5)
+    repeated = engine.generate([p for p in prompts for _ in range(params.n)], dataclasses.replace(params, n=1), seed=5)
+    flat = [c for g in shared for c in g]
+    assert [c.token_ids for c in flat] == [g[0].token_ids for g in repeated]
+    assert [c.finish_reason for c in flat] == [g[0].finish_reason for g in repeated]
+    diff = max(abs(a - b) for c, g in zip(flat, repeated) for a, b in zip(c.logprobs, g[0].logprobs))
+    assert diff < 1e-5
 
 
 def test_top_k_sampling_stays_in_the_top_k(engine):

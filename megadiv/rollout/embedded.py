@@ -69,36 +69,53 @@ class EmbeddedEngine:
         check_prompts(prompts)
         self._check_not_paused()
         seed = draw_seed() if seed is None else seed
-        rows = [list(p) for p in prompts for _ in range(params.n)]  # [prompt0 x n, prompt1 x n, ...]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), self._pad, dtype=torch.long)
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self._pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):  # left padding: every row's last prompt token at column width - 1
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+        for i, prompt in enumerate(prompts):  # left padding: every row's last prompt token at column width - 1
+            ids[i, width - len(prompt):] = torch.tensor(list(prompt))
+            mask[i, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cache = self._prefill(ids[:, :-1], mask[:, :-1], params.n) if params.n > 1 and width > 1 else None
+        ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # [p0 x n, p1 x n, ..]
         stop = self._eos | set(params.stop_token_ids)
         greedy = params.temperature == 0
-        # do_sample=False always: a sampled call picks the argmax of the tempered, truncated logits
-        # plus the rows' own Gumbel noise (an exact sample; RowSeededSampler), greedy the plain argmax
+        # do_sample=False always: a sampled call picks the argmax of what RowSeededSampler returns (its
+        # row's draw from the tempered, truncated softmax: an exact sample), greedy the plain argmax
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=sorted(stop),
             pad_token_id=self._pad, output_logits=True, return_dict_in_generate=True)
         row_ids = torch.arange(first_prompt * params.n, (first_prompt + len(prompts)) * params.n)
         processors = LogitsProcessorList([] if greedy else sampling_processors(params, seed, row_ids, width))
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+        out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
                                   generation_config=config, logits_processor=processors)
         new = out.sequences[:, width:].cpu()  # [rows, steps]
         logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (before processors)
         logp = F.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
         token_logp = logp.gather(-1, new.to(logp.device).unsqueeze(-1)).squeeze(-1).cpu()  # [rows, steps]
         completions = []
-        for i in range(len(rows)):
+        for i in range(len(ids)):
             tokens = new[i].tolist()
             end = next((j + 1 for j, t in enumerate(tokens) if t in stop), None)  # keep the stop token
             reason = "stop" if end is not None else "length"
             end = end or len(tokens)
             completions.append(Completion(tokens[:end], token_logp[i, :end].tolist(), reason, self._version))
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int):
+        """The KV cache of each distinct prompt's first width - 1 columns, computed once and repeated
+        for its n samples (generate then runs only the last prompt column for every row): the
+        prompt's share of the work divided by n, as SGLang's and vLLM's prefix caches do. Position ids
+        as generate makes them from the mask (0-based over real tokens, pads 0), so the cached keys
+        are the ones generate would have computed, to float32 rounding (a different batch size)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+        cache.batch_repeat_interleave(n)
+        return cache
 
     @torch.no_grad()
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
