@@ -68,18 +68,32 @@ TRL_COUNTERPART = {"1x1": "1x1", "1x2": "1x2", "tp2": "1x2", "pp2": "1x2"}
 
 
 def _grader(spec: dict):
-    """``grade(responses, answers) -> [0.0 | 1.0]``: exact match, or megadiv's math-verify worker
-    (a separate process of the project's Python speaking its JSON-lines protocol)."""
+    """``(grade, close)``: ``grade(responses, answers) -> [0.0 | 1.0]`` by exact match, or by megadiv's
+    math-verify worker (a separate process of the project's Python speaking its JSON-lines protocol,
+    megadiv/rewards/math_worker.py); ``close()`` ends the worker."""
     if spec["reward"] == "exact_match":
-        return lambda responses, answers: [float(r.strip() == a.strip()) for r, a in zip(responses, answers)]
+        return (lambda responses, answers: [float(r.strip() == a.strip()) for r, a in zip(responses, answers)],
+                lambda: None)
     worker = subprocess.Popen(spec["math_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hello = worker.stdout.readline()  # the worker announces itself once math_verify is imported
+    if json.loads(hello or "{}").get("ready") is not True:
+        worker.kill()
+        raise RuntimeError(f"the math-verify worker did not start: {hello!r}")
 
     def grade(responses, answers):
         request = {"items": [[r, a] for r, a in zip(responses, answers)], "answer_format": "auto", "timeout_s": 5}
         worker.stdin.write(json.dumps(request) + "\n")
         worker.stdin.flush()
         return [float(correct) for correct, _, _ in json.loads(worker.stdout.readline())["results"]]
-    return grade
+
+    def close():
+        worker.stdin.close()  # end of input: the worker's loop ends
+        try:
+            worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    return grade, close
 
 
 def _held_out_accuracy(model, tokenizer, prompts: list[str], answers: list[str], max_new_tokens: int, grade) -> float:
@@ -116,7 +130,7 @@ def trl_worker(spec_path: str) -> None:
         if tokenizer(text)["input_ids"] != ids:
             raise SystemExit(f"TRL would see other token ids than megadiv for {text!r}")
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    grade = _grader(spec)
+    grade, close_grader = _grader(spec)
     held_out = (spec["eval_prompts"], spec["eval_answers"], spec["eval_max_new_tokens"], grade)
     before = _held_out_accuracy(model, tokenizer, *held_out) if spec["eval_prompts"] else None
 
@@ -163,6 +177,7 @@ def trl_worker(spec_path: str) -> None:
     steps = [{"step": i + 1, "step_s": s, "gen_s": gen_seconds.get(i + 1, 0.0),
               "reward": logged[i]["reward"], "trl_step_time": logged[i].get("step_time")}
              for i, s in enumerate(step_seconds)]
+    close_grader()
     Path(spec["result"]).write_text(json.dumps({
         "steps": steps, "accuracy_before": before, "accuracy_after": after,
         "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__}}))

@@ -29,6 +29,18 @@ def run_of(step_times, gen=0.25, before=0.5, after=0.6):
             "accuracy_before": before, "accuracy_after": after}
 
 
+def test_trl_side_grades_with_the_math_verify_worker():
+    """Workload (b)'s reward on TRL's side: megadiv's math-verify worker in its own process, read past
+    its ready line; closing ends it."""
+    bench = load_bench()
+    grade, close = bench._grader({"reward": "math",
+                                  "math_worker": [sys.executable, str(REPO / "megadiv/rewards/math_worker.py")]})
+    try:
+        assert grade(["So the answer is \\boxed{42}.", "#### 41", "I think 42"], ["42", "42", "42"]) == [1.0, 0.0, 1.0]
+    finally:
+        close()
+
+
 def test_summary_pools_steps_after_the_first_and_sets_megadiv_against_trl_on_the_same_cores():
     bench = load_bench()
     megadiv = bench.summarize("megadiv", "tp2", [run_of([9.0, 1.0, 2.0]), run_of([9.0, 3.0, 4.0], after=0.7)])

@@ -76,7 +76,10 @@ ADAM_PLAIN = ("seq-mean-token-mean", "adam_plain", None)  # optim.distributed_op
 # the same global batch. Recompute and an explicit uneven stage split ride along: they must not
 # change the maths either.
 LAYOUTS = {
-    "tp1": (1, 1, 1, {}),
+    "tp1": (1, 1, 1, {"threads": 1}),
+    # 512 rows (4 micro-batches of 128): matmuls large enough for torch to split over the threads
+    "tp1-wide": (1, 1, 1, {"threads": 1, "rows": 512}),
+    "tp1-wide-2threads": (1, 1, 1, {"threads": 2, "rows": 512}),
     "tp2": (2, 1, 2, {}),
     "pp2": (1, 2, 2, {"stage_layers": [2, 1]}),
     "dp2": (1, 1, 2, {"model": {"recompute_granularity": "selective"}}),
@@ -101,7 +104,8 @@ class LayoutRuns(dict):
         tp, pp, nproc, extra = LAYOUTS[name]
         self[name] = run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=600,
                                   args={"tp": tp, "pp": pp, "hf_dir": self.hf_dir, **extra,
-                                        "runs": [SGD, ADAM] + ([REGULARIZED] if pp == 1 else [])
+                                        "runs": ([ADAM] if "rows" in extra
+                                                 else [SGD, ADAM] + ([REGULARIZED] if pp == 1 else []))
                                                 + ([ADAM_PLAIN] if name == "tp1" else [])})
         return self[name]
 
@@ -162,6 +166,19 @@ def test_plain_and_distributed_adam_make_the_same_update_at_dp1(layout_runs):
     _assert_same_training(plain, distributed, "plain vs distributed Adam",
                           ["loss/total", "grad_norm", "entropy"], "adam")
     assert plain["skipped"] == 1.0 and plain["unchanged"]
+
+
+def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
+    """Two intra-op threads (the threads-per-rank rule gives a lone rank every core) train like one
+    on a 512-row batch, where torch splits the matmuls and reductions over the threads: only the
+    summation order may change, so the layouts' float32 tolerances hold (megadiv/parallel/threads.py;
+    observed: weights 7.3e-8 apart after three steps, entropy 2.2e-8 relative, so the threads do
+    split the work). Adam only: SGD at the layouts' lr 0.5 diverges on this batch (grad norm 4.5 -> 1e5 -> NaN)."""
+    run = ADAM
+    (one,), (two,) = layout_runs["tp1-wide"], layout_runs["tp1-wide-2threads"]
+    assert (one[run]["threads"], two[run]["threads"]) == (1, 2)
+    _assert_same_training(two[run], one[run], "2 threads", ("loss/total", "loss/kl", "grad_norm", "entropy",
+                                                              "ratio/max", "ratio/min", "ref/k3"), optimizer=run[1])
 
 
 @pytest.mark.parametrize("layouts", [["tp1", "tp2", "pp2", "dp2"], pytest.param(["tp2dp2"], marks=FOUR_RANKS)],

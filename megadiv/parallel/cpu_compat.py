@@ -15,11 +15,13 @@ megatron-core 0.16.1 lines it addresses.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 from megadiv.parallel.quiet import ALL_WARNINGS
 
@@ -66,6 +68,13 @@ class _State:
     saved: dict = {}
 
 
+@functools.lru_cache(maxsize=64)
+def _causal_mask_on_cpu(sq: int) -> torch.Tensor:
+    """megatron's get_default_causal_mask (transformer/utils.py:35, device="cuda") on the CPU,
+    made once per length: True above the diagonal (masked)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device="cpu"), diagonal=1)
+
+
 def _recompute_backward_on_cpu(ctx, *grads):
     with _CudaToCpu():
         return _State.saved["recompute_backward"](ctx, *grads)
@@ -90,11 +99,13 @@ def enable(allow_untested: bool = False) -> None:
             f"megatron-core {version} has not been tested with megadiv's CPU compatibility layer "
             f"(tested: {', '.join(TESTED_MEGATRON_VERSIONS)}); set parallel.allow_untested_megatron=true "
             f"to try it anyway")
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as tp_random
 
     _State.saved = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
                     "get_rng": tp_random._get_cuda_rng_state, "set_rng": tp_random._set_cuda_rng_state,
-                    "recompute_backward": tp_random.CheckpointFunction.backward}
+                    "recompute_backward": tp_random.CheckpointFunction.backward,
+                    "causal_mask": fused_softmax.get_default_causal_mask}
     # megatron-core utils.py:631, tensor_parallel/mappings.py:91,141,148,181, p2p_communication.py:190-202,
     # optimizer.py:1141, distrib_optimizer.py:791 allocate on torch.cuda.current_device().
     torch.cuda.current_device = lambda: "cpu"
@@ -111,6 +122,9 @@ def enable(allow_untested: bool = False) -> None:
     # active: CheckpointFunction.backward (tensor_parallel/random.py:530) re-enters the mode, e.g.
     # for the causal mask made with device="cuda" (transformer/utils.py:35).
     tp_random.CheckpointFunction.backward = staticmethod(_recompute_backward_on_cpu)
+    # fusions/fused_softmax.py:327, the attention's causal mask: the one device="cuda" call in the
+    # model's forward (tests/test_cpu_compat.py checks), so the forward can run without the mode (paused)
+    fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
     _State.mode = _CudaToCpu()
     _State.mode.__enter__()
     if os.environ.get("RANK", "0") == "0" or os.environ.get(ALL_WARNINGS) == "1":  # once per job, not per rank
@@ -131,4 +145,21 @@ def disable() -> None:
 
     tp_random._get_cuda_rng_state, tp_random._set_cuda_rng_state = _State.saved["get_rng"], _State.saved["set_rng"]
     tp_random.CheckpointFunction.backward = staticmethod(_State.saved["recompute_backward"])
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = _State.saved["causal_mask"]
     _State.mode = None
+
+
+@contextlib.contextmanager
+def paused():
+    """The body without the mode, where nothing needs it: every torch call under the mode pays a
+    Python round trip (~1.5 us), ~2,000 per forward of the tiny demo model, 3% of a CPU training
+    step (docs/performance.md). Used around the model's forward (megatron's GPTModel, whose one
+    device="cuda" call is patched above, and the embedded engine's transformers model). No-op when
+    the layer is off or another mode is on top of it (a profiler's, a test's)."""
+    if _State.mode is None or _get_current_function_mode() is not _State.mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield

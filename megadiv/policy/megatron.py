@@ -36,6 +36,7 @@ from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
 from megadiv.models.builder import MegatronModel, build_model
 from megadiv.models.output import logits_at
+from megadiv.parallel import cpu_compat
 from megadiv.policy.batches import ModelInput, SequenceBatch, round_up, row_lengths
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class Policy:
     def _forward(model: torch.nn.Module, x: ModelInput) -> torch.Tensor:
         """``model`` (one chunk) on ``x``: hidden states for the next pipeline stage, or on the
         last stage the logit shard [1, n, V/TP] at x's n positions that predict response tokens."""
-        with logits_at(model, x.index):
+        with logits_at(model, x.index), cpu_compat.paused():
             return model(x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
 
     def _token_log_probs(self, logits: torch.Tensor, x: ModelInput, with_entropy: bool,

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megadiv.parallel import cpu_compat
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import (
     Bucket,
@@ -76,8 +77,6 @@ class EmbeddedEngine:
             ids[i, width - len(prompt):] = torch.tensor(list(prompt))
             mask[i, width - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache = self._prefill(ids[:, :-1], mask[:, :-1], params.n) if params.n > 1 and width > 1 else None
-        ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # [p0 x n, p1 x n, ..]
         stop = self._eos | set(params.stop_token_ids)
         greedy = params.temperature == 0
         # do_sample=False always: a sampled call picks the argmax of what RowSeededSampler returns (its
@@ -87,8 +86,11 @@ class EmbeddedEngine:
             pad_token_id=self._pad, output_logits=True, return_dict_in_generate=True)
         row_ids = torch.arange(first_prompt * params.n, (first_prompt + len(prompts)) * params.n)
         processors = LogitsProcessorList([] if greedy else sampling_processors(params, seed, row_ids, width))
-        out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                                  generation_config=config, logits_processor=processors)
+        with cpu_compat.paused():  # transformers' code needs none of megatron's CPU redirections
+            cache = self._prefill(ids[:, :-1], mask[:, :-1], params.n) if params.n > 1 and width > 1 else None
+            ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # [p0 x n, ..]
+            out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                      generation_config=config, logits_processor=processors)
         new = out.sequences[:, width:].cpu()  # [rows, steps]
         logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab], raw (before processors)
         logp = F.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
@@ -130,7 +132,8 @@ class EmbeddedEngine:
         for i, s in enumerate(seqs):  # right padding: positions 0..len-1 as in an unpadded forward
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+        with cpu_compat.paused():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
         logp = F.log_softmax(logits, dim=-1)  # [batch, width, vocab]
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses)):
