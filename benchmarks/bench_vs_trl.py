@@ -15,6 +15,10 @@ before and after training on the same problems):
   up to 128 new tokens, temperature 0.7, clip [0.8, 1.28], lr 2e-5, 16 micro-batches of 8;
   ``--held-out`` problems (default 20). Each (system, layout) first runs one step alone, so the
   cost of the whole benchmark is printed before it starts.
+TRL's micro-batches hold a fixed number of rows at the batch's padded width; megadiv's the same
+rows at most, grouped by length with a token budget of that fixed micro-batch's padded size
+(``grpo.max_tokens_per_micro_batch``), each at its own width: the same loss and update without the
+compute on padding (TRL's padding-free mode needs flash attention, which it has not on CPU).
 
 Layouts (``--layouts``): ``1x1`` one process x one thread, ``1x2`` one process x two threads (both
 systems); megadiv only: ``tp2`` (a: TP=2, 2 ranks x 1 thread) and ``pp2`` (b: the SmolLM2 recipe's
@@ -325,6 +329,11 @@ def workload(name: str, args) -> dict:
                                                                           for r in records]
 
     train, texts, ids = rendered(data)
+    # token-budget micro-batches (verl's dynamic batch size): rows grouped by length, each micro-batch
+    # at its own width, at most ``micro`` rows and the fixed micro-batch's padded size; the same
+    # rows, loss and update, without the compute on padding. TRL's counterpart (padding_free) needs
+    # flash attention, which it has not on CPU.
+    megadiv["grpo"]["max_tokens_per_micro_batch"] = shape["micro"] * (max(map(len, ids)) + shape["new"])
     sampler = PromptSampler(len(train), shape["prompts"], seed=DataConfig(**data).seed)
     order = [i for _ in range(args.steps) for i in sampler.next_batch()]  # megadiv's prompts, in its order
     held_records, held_texts, _ = rendered(held) if args.held_out else ([], [], [])

@@ -180,17 +180,24 @@ class SequenceBatch:
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
              response_values: list[list[float]] | None = None, **fields) -> "SequenceBatch":
         """Right-padded rows prompt + response; ``loss_mask`` (and ``logp_rollout`` from
-        ``response_values``) sit on the positions that predict response tokens. Built in host
-        memory (row by row); the policy moves each micro-batch to the model's device."""
-        seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        ``response_values``) sit on the positions that predict response tokens (prompts are never
+        empty). Built in host memory, in one pass: a boolean mask assignment fills a mask's
+        positions in row-major order, which is the order of the concatenated rows; the policy moves
+        each micro-batch to the model's device."""
         host = torch.device("cpu")
+        prompt_len = torch.tensor([len(p) for p in prompts], device=host)
+        response_len = torch.tensor([len(r) for r in responses], device=host)
+        seq_len = int((prompt_len + response_len).max())
+        columns = torch.arange(seq_len, device=host)[None]
         tokens = torch.full((len(prompts), seq_len), pad_id, dtype=torch.long, device=host)
-        mask = torch.zeros(len(prompts), seq_len, device=host)
-        values = torch.zeros(len(prompts), seq_len, device=host) if response_values is not None else None
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            tokens[i, :len(p) + len(r)] = torch.tensor(p + r, device=host)
-            start = len(p) - 1  # the last prompt position predicts the first response token
-            mask[i, start:start + len(r)] = 1.0
-            if values is not None:
-                values[i, start:start + len(r)] = torch.tensor(response_values[i], dtype=torch.float32, device=host)
+        tokens[columns < (prompt_len + response_len)[:, None]] = torch.tensor(
+            [t for p, r in zip(prompts, responses) for t in (*p, *r)], dtype=torch.long, device=host)
+        start = (prompt_len - 1)[:, None]  # the last prompt position predicts the first response token
+        predicts = (columns >= start) & (columns < start + response_len[:, None])
+        mask = predicts.float()
+        values = None
+        if response_values is not None:
+            values = torch.zeros(len(prompts), seq_len, device=host)
+            values[predicts] = torch.tensor([v for row in response_values for v in row], dtype=torch.float32,
+                                            device=host)
         return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)
