@@ -138,6 +138,20 @@ def test_32b_recipes_fit_on_8_gpu_nodes_of_80_gb(capsys, model, algorithm, nodes
     assert (plan["components"]["reference_weights"] > 0) == (algorithm == "prob_l2")  # a regulariser needs it
 
 
+def test_logits_are_planned_at_the_response_positions_only(capsys):
+    """The output layer sees only the positions that predict response tokens (models/output.py):
+    the planned logits do not grow with the prompt, and grow linearly with rollout.max_new_tokens."""
+    def components(prompt_tokens: int, *overrides: str) -> dict:
+        rc, out, err = plan_cli(capsys, *recipe_args("qwen3-32b", "dapo", 2), *overrides,
+                                "--prompt-tokens", str(prompt_tokens), "--json")
+        assert rc == 0, err
+        return json.loads(out)["stages"][-1]["components"]  # the last stage holds the logits
+    short, long = components(256), components(4096)
+    assert short["logits"] == long["logits"] > 0 and long["activations"] > short["activations"]
+    one, two = components(256, "rollout.max_new_tokens=1000"), components(256, "rollout.max_new_tokens=2000")
+    assert two["logits"] == 2 * one["logits"]
+
+
 def test_shipped_configs_count_as_transformers_does():
     configs = sorted(HF_CONFIGS.glob("*/config.json"))
     assert {c.parent.name for c in configs} >= {"Qwen2.5-32B", "Qwen3-32B", "Qwen3-8B", "Qwen3-1.7B",

@@ -88,6 +88,7 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
     colocated = cfg.rollout.engine != "embedded" and not cfg.rollout.server_urls
     return Workload(
         micro_batch_size=cfg.grpo.micro_batch_size, seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
+        logit_positions=cfg.rollout.max_new_tokens,
         micro_batches_in_flight=per_mini // (layout.dp * cfg.grpo.micro_batch_size),
         params_dtype=cfg.model.params_dtype, optimizer=cfg.optim.optimizer, reference=cfg.needs_reference,
         log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,

@@ -54,6 +54,9 @@ class Workload:
     micro_batch_size: int
     seq_len: int
     """Tokens per row: longest prompt + rollout.max_new_tokens (rows are padded to the longest)."""
+    logit_positions: int | None = None
+    """Positions per row whose logits are made: rollout.max_new_tokens, since the output layer sees
+    only those that predict response tokens (models/output.py); None: every position (seq_len)."""
     micro_batches_in_flight: int = 1
     """Micro-batches per mini-batch on one DP replica (1F1B keeps min(PP, this) on stage 0)."""
     params_dtype: str = "bfloat16"
@@ -260,12 +263,13 @@ def boundary_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, se
     return tokens * (8 * first + (norm + e * h) * last)
 
 
-def logits_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_len: int, params_dtype: str,
+def logits_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, positions: int, params_dtype: str,
                  log_probs_chunk: int | None) -> tuple[int, int]:
-    """(logit shard [b, s, V/TP] in the weights' dtype plus its fp32 tempered copy, the
-    vocab-parallel log-prob workspace of one token chunk: a few [chunk, V/TP] fp32 buffers)."""
+    """(logit shard [b x positions, V/TP] in the weights' dtype plus its fp32 tempered copy, the
+    vocab-parallel log-prob workspace of one token chunk: a few [chunk, V/TP] fp32 buffers).
+    ``positions``: per row, those the output layer sees (the policy's: the response's, models/output.py)."""
     vocab = padded_vocab_size(arch.vocab_size, tp) // tp
-    tokens = micro_batch_size * seq_len
+    tokens = micro_batch_size * positions
     logits = tokens * vocab * (DTYPE_BYTES[params_dtype] + 4)
     chunk = log_probs_chunk or max(1, (2 << 20) // (4 * vocab))  # megadiv's default: ~2 MiB per chunk
     return logits, 3 * min(chunk, tokens) * vocab * 4
@@ -335,7 +339,8 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
         boundary = boundary_activation_bytes(arch, layout.tp, b, s, dt, work.spec, first, last)
         # 1F1B: stage i holds min(PP - i, micro-batches) micro-batches' activations at its peak
         held = max(1, min(layout.pp - stage, work.micro_batches_in_flight)) if layout.pp > 1 else 1
-        logits, chunk = logits_bytes(arch, layout.tp, b, s, dt, work.log_probs_chunk) if last else (0, 0)
+        logits, chunk = (logits_bytes(arch, layout.tp, b, work.logit_positions or s, dt, work.log_probs_chunk)
+                         if last else (0, 0))
         components = {
             "weights": state.weights, "main_params_fp32": state.main_params, "grads_fp32": state.grads,
             "optimizer_states": state.optimizer,
