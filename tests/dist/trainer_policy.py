@@ -100,9 +100,9 @@ def one_update_old_logprobs(ctx):
         actor = Policy(model, parallel, "actor", SGD, total_steps=1, temperature=0.7)
         batch = _batch()
         noise = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1))
-        batch.logp_rollout = (actor.log_probs(batch, micro_batch_size=mbs) + 0.6 * noise) * batch.loss_mask
+        batch.logp_rollout = (actor.log_probs(batch, micro_batch_size=2) + 0.6 * noise) * batch.loss_mask
         if name == "own_forward":
-            batch.logp_old = actor.log_probs(batch, micro_batch_size=mbs)
-        out[name] = {"step": actor.train_step(batch, grpo_objective(loss), micro_batch_size=mbs),
+            batch.logp_old = actor.log_probs(batch, micro_batch_size=2)
+        out[name] = {"step": actor.train_step(batch, grpo_objective(loss), micro_batch_size=2),
                      "weights": {n: t for bucket in actor.export_buckets(64 << 20) for n, t in bucket}}
     return out
