@@ -123,7 +123,8 @@ def enable(allow_untested: bool = False) -> None:
     # for the causal mask made with device="cuda" (transformer/utils.py:35).
     tp_random.CheckpointFunction.backward = staticmethod(_recompute_backward_on_cpu)
     # fusions/fused_softmax.py:327, the attention's causal mask: the one device="cuda" call in the
-    # model's forward (tests/test_cpu_compat.py checks), so the forward can run without the mode (paused)
+    # model's forward (docs/cpu.md, row 8; every CPU test runs the forward paused), so the forward can run
+    # without the mode (paused)
     fused_softmax.get_default_causal_mask = _causal_mask_on_cpu
     _State.mode = _CudaToCpu()
     _State.mode.__enter__()

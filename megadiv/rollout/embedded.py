@@ -92,8 +92,9 @@ class EmbeddedEngine:
             ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # [p0 x n, ..]
             out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=config, logits_processor=processors)
-        token_logp = chosen.finish(out.sequences[:, width:]).cpu()  # [rows, steps]
-        new = out.sequences[:, width:].cpu()  # [rows, steps]
+        new = out.sequences[:, width:]  # [rows, steps]
+        token_logp = chosen.finish(new).cpu()
+        new = new.cpu()
         completions = []
         for i in range(len(ids)):
             tokens = new[i].tolist()
