@@ -156,6 +156,43 @@ def test_prob_l2_float32_error():
         assert (d >= 0).all()
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("name", VOCAB_MEASURES)
+def test_full_vocab_rows_outside_the_unshifted_window(name, dtype):
+    """On CPU a divergence's exps are e^z unshifted, and only rows whose sum leaves the safe
+    window are redone with their max. Softmax ignores a per-row constant, so rows moved far up
+    or down (beside ordinary rows, in the same tiles) must give the values and gradients of the
+    unmoved logits: float64 to 1e-12 relative (observed <= 6.9e-14: KL's log p = z - log Z
+    rounds at ~eps |log Z|, log Z ~ 800 here); float32 (the same moved values, moved back in
+    float64) to 1e-5 (observed: KL 4.1e-6, log Z ~ 120; ProbL2 5.0e-7; mirror 3.7e-8)."""
+    z, zb, _ = logits(tokens=8, vocab=13, padded=13, seed=5, dtype=F64)
+    far = 400.0 if dtype == F64 else 60.0
+    shift = torch.tensor([0, far, -far, 0, far, 0, -far, 2 * far], dtype=F64)
+    shift_b = torch.tensor([0, far, 0, -far, -far, 2 * far, 0, far], dtype=F64)
+    moved, moved_b = (z + shift[:, None]).to(dtype), (zb + shift_b[:, None]).to(dtype)
+    lo, hi = vp._unshifted_window(dtype, 13)
+    sums = torch.stack((moved.double().exp().sum(-1), moved_b.double().exp().sum(-1)))
+    outside = (sums < lo) | (sums > hi)
+    assert outside[0].sum() == 5 and outside[1].sum() == 5 and not outside[:, 0].any()
+    up = torch.randn(8, generator=torch.Generator().manual_seed(1), dtype=F64)
+    torch.manual_seed(0)
+    measure = get_divergence(name, chunk_size=3)
+    measure.tile_elements = 2 * 13                              # several tiles per chunk
+
+    def run(a, b):
+        a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+        d = measure(a, b, vocab_size=13)
+        (d * up.to(dtype)).sum().backward()
+        return d.detach().double(), a.grad.double(), b.grad.double()
+
+    # the reference: the same (rounded) values, moved back in float64, then the float64 pass
+    ref = run(moved.double() - shift[:, None], moved_b.double() - shift_b[:, None])
+    tol = 1e-12 if dtype == F64 else 1e-5
+    for got, want in zip(run(moved, moved_b), ref):
+        assert float((got - want).abs().max()) <= tol * max(1.0, float(want.abs().max()))
+    assert ref[1].abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("name", VOCAB_MEASURES)
 def test_full_vocab_chunks_and_tiles_do_not_change_the_result(name):
     z, zb, _ = logits(tokens=11, vocab=13, padded=16)

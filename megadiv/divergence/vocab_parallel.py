@@ -33,10 +33,12 @@ the OS (glibc with a fixed ``MALLOC_MMAP_THRESHOLD_``): docs/performance.md meas
 
 ``group=None`` (or a group of size 1) means the vocabulary is not sharded: no communication.
 Half-precision logits are upcast chunk by chunk; statistics and reductions are float32 (float64
-for float64 logits), and each logsumexp subtracts the maximum first.
+for float64 logits), and each logsumexp subtracts the maximum first (on CPU a divergence's
+exps skip that pass where e^z itself is safe: :func:`_shard_exps`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -305,43 +307,76 @@ def _divergence_tiles(rs: slice, tile: int):
             for i in range(rs.start, rs.stop, tile)]
 
 
+def _unshifted_window(dtype: torch.dtype, width: int) -> tuple[float, float]:
+    """Bounds on a row's s = sum_v e^(z_v) over ``width`` columns within which the unshifted
+    exps are safe for sums of their squares (ProbL2's dot products): s <= hi keeps every e^2
+    and their sum over the row finite, s >= lo keeps the row's largest e^2 a normal float."""
+    info, log_w = torch.finfo(dtype), math.log(max(width, 1))
+    return (math.exp(math.log(info.tiny) / 2 + log_w + 1),
+            math.exp((math.log(info.max) - log_w) / 2 - 1))
+
+
 def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
                 dots: torch.Tensor | None = None):
     """First phase of a divergence chunk: ``exps[:, k] = e^(z_k - m_k)`` from the chunk's rows
-    z_0 = z, z_1 = z_b [n, V_valid], ``tile`` rows at a time (m_k the row's max on this shard);
-    returns m and the sums s_k = sum e^(z_k - m_k) over the shard, [2, n] each. With ``dots`` [n, 2, 2], also the row dot
-    products of the two exps (one batched matmul per tile, which reads each entry once and writes
-    nothing else).
+    z_0 = z, z_1 = z_b [n, V_valid], ``tile`` rows at a time; returns the shifts m and the sums
+    s_k = sum e^(z_k - m_k) over the shard, [2, n] each. With ``dots`` [n, 2, 2], also the row
+    dot products of the two exps (one batched matmul per tile, which reads each entry once and
+    writes nothing else). A shard with no valid column has m = the most negative float, s = 0.
 
-    One exp per logit; max, exp and sum as separate cache-resident passes (the fused softmax
-    kernel, which also normalises, plus two max passes to recover its log-sum-exp, made a whole
-    ProbL2 call 15% slower on CPU, measured). A shard with no valid column has m = the most
-    negative float and s = 0.
+    The shift m is the row's max (as in any logsumexp), except on CPU, where it is 0 for every
+    row whose s lands in :func:`_unshifted_window` (e = e^z directly), and only the other rows
+    are redone with their max. On CPU these ops are bound by memory bandwidth and the max and
+    the subtraction are two more passes over the logits; e^z loses nothing against e^(z - m) in
+    the window (each rounds once, relative to its size). Within an LLM's logits (|z| < ~35 at
+    float32) no row is redone. The check costs a host sync, which a CPU has anyway; a GPU pass
+    takes the max (nothing there synchronises with the host). One exp per logit; exp and sum
+    as separate cache-resident passes (the fused softmax kernel, which also normalises, plus two
+    max passes to recover its log-sum-exp, made a whole ProbL2 call 15% slower on CPU, measured).
     """
-    dtype, n = exps.dtype, exps.shape[0]
-    m = torch.full((2, n), torch.finfo(dtype).min, dtype=dtype, device=exps.device)
+    dtype, n, width = exps.dtype, exps.shape[0], exps.shape[-1]
+    unshifted = exps.device.type == "cpu"
+    m = torch.full((2, n), 0.0 if unshifted and width else torch.finfo(dtype).min, dtype=dtype,
+                   device=exps.device)
     sums = torch.zeros(n, 2, dtype=dtype, device=exps.device)
-    if exps.shape[-1] == 0:
+    if width == 0:
         return m, sums.T
     # views of every tile at once (split), not a Python slice per tensor and tile
     parts = zip(z.split(tile), z_b.split(tile), exps.split(tile), m.split(tile, dim=1), sums.split(tile),
-                dots.split(tile) if dots is not None else [None] * exps.shape[0])
+                dots.split(tile) if dots is not None else [None] * n)
     for z_t, z_b_t, e, m_t, s_t, dots_t in parts:
         for k, src in enumerate((z_t, z_b_t)):
             c = tile_ws.upcast(src)
-            torch.amax(c, dim=-1, out=m_t[k])
-            torch.sub(c, m_t[k].unsqueeze(1), out=e[:, k])
-        torch.sum(e.exp_(), dim=-1, out=s_t)                    # [nt, 2] in one op
+            if unshifted:
+                torch.exp(c, out=e[:, k])
+            else:
+                torch.amax(c, dim=-1, out=m_t[k])
+                torch.sub(c, m_t[k].unsqueeze(1), out=e[:, k]).exp_()
+        torch.sum(e, dim=-1, out=s_t)                           # [nt, 2] in one op
         if dots_t is not None:
             torch.bmm(e, e.transpose(1, 2), out=dots_t)
+    if unshifted:
+        lo, hi = _unshifted_window(dtype, width)
+        outside = ~((sums >= lo) & (sums <= hi))                # [n, 2], NaN included
+        if outside.any():
+            for k, src in enumerate((z, z_b)):
+                rows = outside[:, k].nonzero().squeeze(1)
+                c = src[rows].to(dtype)
+                m[k, rows] = big = c.amax(dim=-1)
+                exps[rows, k] = e_r = torch.exp(c - big.unsqueeze(1))
+                sums[rows, k] = e_r.sum(dim=-1)
+            if dots is not None:
+                rows = outside.any(dim=1).nonzero().squeeze(1)
+                dots[rows] = torch.bmm(exps[rows], exps[rows].transpose(1, 2))
     return m, sums.T
 
 
 def _global_normaliser(every: torch.Tensor):
-    """Every rank's row maxima and exp-sums ``every[:, :2]``, ``every[:, 2:4]`` ([TP, >= 4, n]) ->
-    the global max M and Z = sum_v e^(z_v - M) over all ranks, [2, n] each. A rank's exps times
-    exp(m - M) / Z are its part of the global softmax: the exponent is a difference of nearby
-    maxima, where exp(m - log Z) would carry the rounding of log Z (~eps |log Z| relative)."""
+    """Every rank's row shifts and exp-sums ``every[:, :2]``, ``every[:, 2:4]`` ([TP, >= 4, n]) ->
+    the largest shift M and Z = sum_v e^(z_v - M) over all ranks, [2, n] each. A rank's exps
+    times exp(m - M) / Z are its part of the global softmax: the exponent is a difference of
+    shifts (0 or nearby maxima), where exp(m - log Z) would carry the rounding of log Z
+    (~eps |log Z| relative)."""
     big_m = every[:, :2].amax(dim=0)
     return big_m, (every[:, 2:4] * torch.exp(every[:, :2] - big_m)).sum(dim=0)
 
