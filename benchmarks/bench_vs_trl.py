@@ -25,6 +25,8 @@ systems); megadiv only: ``tp2`` (a: TP=2, 2 ranks x 1 thread), ``pp2`` (b: the S
 2-core layout, PP=2 with the SGLang CPU server) and ``1x1-sglang`` (b: TP=1, one rank and the
 SGLang CPU server pinned together to one core with ``taskset``, one thread each). megadiv's 2-rank
 layouts are compared with TRL at 2 threads, the same two cores; ``1x1-sglang`` with TRL at 1 thread.
+Each requested layout runs TRL's counterpart too (``--layouts 1x1-sglang,pp2``: megadiv in those two,
+TRL at 1 and 2 threads).
 
 TRL (``trl==1.16.0``) lives in its own virtual environment, created on first use at
 ``$MEGADIV_CACHE/bench-trl-venv`` (default ``~/.cache/megadiv``) with the project's torch,
@@ -453,11 +455,22 @@ def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def planned_runs(name: str, layouts: list[str], systems: list[str]) -> list[tuple[str, str]]:
+    """(system, layout) in launch order: per requested layout, megadiv's own (where workload
+    ``name`` has it) and TRL's counterpart of it, each once."""
+    runs = []
+    for layout in layouts:
+        for system in systems:
+            own = layout if system == "megadiv" else TRL_COUNTERPART[layout]
+            if own in (MEGADIV_LAYOUTS[name] if system == "megadiv" else TRL_LAYOUTS) and (system, own) not in runs:
+                runs.append((system, own))
+    return runs
+
+
 def bench(name: str, args, work: Path, save) -> dict:
     """The workload's runs; ``save(partial)`` after each, so an interrupted benchmark keeps its data."""
     wl = {**workload(name, args), "name": name}
-    runs = [(system, layout) for layout in args.layouts for system in args.systems
-            if layout in (MEGADIV_LAYOUTS[name] if system == "megadiv" else TRL_LAYOUTS)]
+    runs = planned_runs(name, args.layouts, args.systems)
     if not runs:
         raise SystemExit(f"workload {name}: none of the layouts {args.layouts} applies to {args.systems}")
     print(f"\n## workload ({name}): model {wl['model']}, {args.steps} steps x {args.rounds} rounds of "

@@ -56,6 +56,16 @@ def test_summary_pools_steps_after_the_first_and_sets_megadiv_against_trl_on_the
     assert megadiv["ratio_vs_trl"] == 0.5 and trl["ratio_vs_trl"] is None
 
 
+def test_each_megadiv_layout_brings_its_trl_counterpart_once():
+    bench = load_bench()
+    both = ["megadiv", "trl"]
+    assert bench.planned_runs("b", ["1x1-sglang", "pp2"], both) == [
+        ("megadiv", "1x1-sglang"), ("trl", "1x1"), ("megadiv", "pp2"), ("trl", "1x2")]
+    assert bench.planned_runs("a", ["1x1", "1x2", "tp2", "pp2", "1x1-sglang"], both) == [
+        ("megadiv", "1x1"), ("trl", "1x1"), ("megadiv", "1x2"), ("trl", "1x2"), ("megadiv", "tp2")]
+    assert bench.planned_runs("b", ["pp2"], ["trl"]) == [("trl", "1x2")]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_quickest_form_runs_megadiv_on_workload_a(tmp_path, monkeypatch):
