@@ -316,6 +316,12 @@ def _unshifted_window(dtype: torch.dtype, width: int) -> tuple[float, float]:
             math.exp((math.log(info.max) - log_w) / 2 - 1))
 
 
+def _exps_below_max(c: torch.Tensor, out: torch.Tensor, m: torch.Tensor) -> None:
+    """out = e^(c - m) with m the row's max: c, out [n, W]; m [n] (written)."""
+    torch.amax(c, dim=-1, out=m)
+    torch.sub(c, m.unsqueeze(1), out=out).exp_()
+
+
 def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
                 dots: torch.Tensor | None = None):
     """First phase of a divergence chunk: ``exps[:, k] = e^(z_k - m_k)`` from the chunk's rows
@@ -350,8 +356,7 @@ def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
             if unshifted:
                 torch.exp(c, out=e[:, k])
             else:
-                torch.amax(c, dim=-1, out=m_t[k])
-                torch.sub(c, m_t[k].unsqueeze(1), out=e[:, k]).exp_()
+                _exps_below_max(c, e[:, k], m_t[k])
         torch.sum(e, dim=-1, out=s_t)                           # [nt, 2] in one op
         if dots_t is not None:
             torch.bmm(e, e.transpose(1, 2), out=dots_t)
@@ -362,9 +367,9 @@ def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
             for k, src in enumerate((z, z_b)):
                 rows = outside[:, k].nonzero().squeeze(1)
                 c = src[rows].to(dtype)
-                m[k, rows] = big = c.amax(dim=-1)
-                exps[rows, k] = e_r = torch.exp(c - big.unsqueeze(1))
-                sums[rows, k] = e_r.sum(dim=-1)
+                e_r, m_r = torch.empty_like(c), c.new_empty(len(rows))
+                _exps_below_max(c, e_r, m_r)
+                m[k, rows], exps[rows, k], sums[rows, k] = m_r, e_r, e_r.sum(dim=-1)
             if dots is not None:
                 rows = outside.any(dim=1).nonzero().squeeze(1)
                 dots[rows] = torch.bmm(exps[rows], exps[rows].transpose(1, 2))
