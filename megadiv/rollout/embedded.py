@@ -38,6 +38,7 @@ from megadiv.rollout.engine import (
     check_prompts,
     split_evenly,
 )
+from megadiv.rollout.stream import WaveStream
 
 
 class EmbeddedEngine:
@@ -201,6 +202,10 @@ class EmbeddedEngine:
             except Exception as e:  # handed to rank 0 (as a RolloutError: always picklable), which raises it
                 out = RolloutError(f"{type(e).__name__}: {e}")
             dist.gather_object(out, None, dst=0, group=group)
+
+    def open_stream(self, params: SamplingParams) -> WaveStream:
+        """Groups generated in waves, one batch generate call each (rollout/stream.py)."""
+        return WaveStream(self, params)
 
     def shutdown(self) -> None:
         self.model = None
@@ -394,6 +399,10 @@ class RankSplitEngine:
     @property
     def weight_version(self) -> str:
         return self.local.weight_version
+
+    def open_stream(self, params: SamplingParams) -> WaveStream:
+        """Groups generated in waves, one batch generate call each (rollout/stream.py)."""
+        return WaveStream(self, params)
 
     def shutdown(self) -> None:
         self.local.shutdown()
