@@ -7,7 +7,7 @@ import torch
 from megadiv.divergence import AdvantageConfig
 from megadiv.policy.batches import SequenceBatch
 from megadiv.rollout import Completion
-from megadiv.trainer.experience import build_experience, informative_groups, overlong_shaping, take_groups
+from megadiv.trainer.experience import build_experience, informative, overlong_shaping
 from tests.torchrun import run_torchrun
 
 
@@ -40,9 +40,10 @@ def test_experience_advantages_and_dynamic_sampling():
     assert exp.prompts == [[7], [7], [8], [8], [9], [9], [10], [10]]
     assert exp.metrics["reward/uniform_groups"] == 0.5 and exp.metrics["reward/reason_correct"] == 0.5
     assert exp.advantages[2:6].abs().max() == 0  # equal rewards: no signal
-    assert informative_groups(exp, 2) == [0, 3]
-    kept = take_groups(exp, [3], 2)
-    assert kept.prompts == [[10], [10]] and kept.rewards.tolist() == [0.0, 1.0]
+    assert [informative(r, g, max_new_tokens=8) for r, g in zip(rewards, _completions(rewards))] == [
+        True, False, False, True]
+    # equal scores, but overlong shaping tells the lengths 1 and 2 apart (buffer 7 of 8 tokens)
+    assert informative([1.0, 1.0], _completions([[1.0, 1.0]])[0], max_new_tokens=8, overlong_buffer=7)
 
 
 def test_mask_truncated_drops_cut_completions_from_the_loss_only():
@@ -56,7 +57,6 @@ def test_mask_truncated_drops_cut_completions_from_the_loss_only():
     assert masked.metrics["response/truncated_frac"] == 0.5
     full, cut = kept.to_batch(pad_id=0).loss_mask, masked.to_batch(pad_id=0).loss_mask
     assert full.sum(-1).tolist() == [2, 1, 1, 2] and cut.sum(-1).tolist() == [0, 1, 1, 0]
-    assert take_groups(masked, [1], 2).in_loss.tolist() == [1.0, 0.0]
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,11 @@ class RolloutConfig:
     shutdown_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping a launched server."""
 
+    handoff_timeout_s: float = 7200.0
+    """Longest a trainer rank waits for the rollout driver: a batch, the engine going quiet before a
+    weight push, an evaluation. The ranks wait on a store key, not in a collective, so
+    parallel.timeout_s stays short enough to catch a real hang in training (docs/rollout.md)."""
+
     # -- weight sync --
     sync_method: Literal["auto", "distributed", "tensor", "disk"] = "auto"
     """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU;
@@ -106,7 +111,7 @@ class RolloutConfig:
             fail("stop_token_ids", "must be token ids >= 0")
         if not 0 < self.mem_fraction_static < 1:
             fail("mem_fraction_static", "must lie in (0, 1)")
-        for key in ("startup_timeout_s", "request_timeout_s", "shutdown_grace_s", "sync_timeout_s",
+        for key in ("startup_timeout_s", "request_timeout_s", "shutdown_grace_s", "sync_timeout_s", "handoff_timeout_s",
                     "mismatch_threshold", "mismatch_threshold_fp8"):
             if getattr(self, key) <= 0:
                 fail(key, "must be > 0")

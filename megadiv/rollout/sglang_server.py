@@ -225,7 +225,7 @@ class SGLangServer:
             env = child_env(cuda, shares_trainer_gpus=cuda and gpu.shares_trainer_gpus)
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_term_on_parent_death)
+                                    preexec_fn=term_on_parent_death)
         server = cls(proc, f"http://127.0.0.1:{port}", log_path, cfg.shutdown_grace_s)
         try:
             server.wait_healthy(cfg.startup_timeout_s)
@@ -301,7 +301,7 @@ def live_group_members(pgid: int) -> list[int]:
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def _term_on_parent_death() -> None:
+def term_on_parent_death() -> None:
     """In the child before exec: SIGTERM when the launching thread dies (Linux prctl), so a
     trainer killed with SIGKILL does not leave a server behind."""
     if _LIBC is not None:

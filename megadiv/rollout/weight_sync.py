@@ -274,7 +274,11 @@ def _custom_group(backend: str, host: str, port: int, world_size: int, name: str
 
 def _address_seen_by(url: str) -> str:
     """This machine's address as the server at ``url`` reaches it (loopback for local servers)."""
-    host = urlparse(url).hostname or "127.0.0.1"
+    return address_seen_by(urlparse(url).hostname or "127.0.0.1")
+
+
+def address_seen_by(host: str) -> str:
+    """This machine's address as ``host`` reaches it: the interface that routes there."""
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent

@@ -66,9 +66,16 @@ class GRPOConfig:
     """Optimizer steps per pass (the batch is split into this many mini-batches)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (no signal) and generate more to refill."""
+    oversample: float = 1.0
+    """Dynamic sampling: groups drawn at once per step, as a multiple of prompts_per_step; the step
+    ends when prompts_per_step informative groups are in and the rest are aborted. Above 1 the
+    step is filled in one wave, at the cost of a bias towards the groups that finish first
+    (shorter responses), which slime accepts too (docs/training.md, Dynamic sampling)."""
     max_resample_rounds: int = 3
-    """Extra generation rounds dynamic sampling may use; groups still missing are filled with
-    zero-advantage groups (no policy gradient) to keep the batch shape."""
+    """Top-ups a step may draw when the groups in flight cannot fill it (dropped groups, or
+    uniform ones under dynamic sampling): at most (1 + this) x ceil(prompts_per_step x oversample)
+    groups in all. Dynamic sampling fills what is still missing with zero-advantage groups (no
+    policy gradient) to keep the batch shape."""
     overlong_buffer: int = 0
     """DAPO overlong shaping: responses longer than max_new_tokens - buffer lose reward linearly,
     reaching -overlong_penalty at max_new_tokens; 0 disables."""
@@ -105,6 +112,9 @@ class GRPOConfig:
         if self.max_resample_rounds < 0 or self.overlong_buffer < 0 or self.check_mismatch_every < 0:
             raise ConfigError("grpo.max_resample_rounds, grpo.overlong_buffer and grpo.check_mismatch_every "
                               "must be >= 0")
+        if self.oversample < 1 or (self.oversample > 1 and not self.dynamic_sampling):
+            raise ConfigError(f"grpo.oversample must be >= 1, and above 1 only with grpo.dynamic_sampling (without "
+                              f"a filter the first groups to finish would bias every batch), got {self.oversample}")
         if self.overlong_penalty < 0:
             raise ConfigError(f"grpo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:

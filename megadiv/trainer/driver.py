@@ -1,40 +1,46 @@
-"""The rollout side of a run, held by global rank 0: prompts, the engine, rewards, evaluation.
+"""The rollout driver: prompts -> a stream of GRPO groups -> rewards -> advantages -> each
+data-parallel replica's rows in the hand-off store (handoff.py); held-out evaluation.
 
-The other ranks never touch the reward workers; they receive the rows to train on (grpo.py
-broadcasts them) and take part in the weight export, which is collective. With the embedded
-engine (and no overlap) every rank generates: each holds an EmbeddedEngine, rank 0's
-RankSplitEngine sends every rank a slice of each generate call, and the others serve it in
-``RolloutWorker.serve`` until rank 0 releases them (``generation_group``; docs/rollout.md).
+One driver per job. With SGLang servers it runs in a process of its own (:class:`DriverProcess`,
+spawned by rank 0), so decoding, JSON parsing and reward bookkeeping never hold a trainer rank's
+GIL; with the embedded engine it runs in rank 0's process, whose engine is (or shares) the model.
 
-One-step off-policy (``grpo.overlap``): ``collect_ahead(k + 1)`` generates, grades and shapes batch
-k+1 in a background thread, on the weights the engine serves (step k-1's), while the ranks train
-on batch k. The engine's weights change only in ``push_weights``, which first waits for that
-batch: every batch comes from one weight version, carried with it (``Experience.policy_version``,
-checked against each completion's version), and ``collect`` records the staleness and refuses
-more than one. The thread only drives the engine: with an SGLang server the generation runs in the
-server's processes; the embedded engine runs it in this process (docs/rollout.md, Overlap).
+A batch is built from a stream (megadiv/rollout/stream.py): the driver keeps as many groups in
+flight as the step still needs, grades each group as it comes back (in a thread beside the
+generation), and stops once ``grpo.prompts_per_step`` groups are in, aborting the rest:
+
+- groups with an aborted completion, or one the server cut short of max_new_tokens, are never
+  trained (rollout/dropped_groups); another prompt takes their place;
+- dynamic sampling (DAPO) keeps only groups whose rewards differ, drawing
+  ceil(prompts_per_step x grpo.oversample) groups at once and topping up while the groups in
+  flight cannot fill the step (at most grpo.max_resample_rounds times); a step still short is
+  filled with uniform (zero-advantage) groups.
+
+Generation runs in a background thread of the driver (``start_batch``); the ranks wait on store
+keys, not collectives. ``quiesce`` waits for it before a weight push, so every batch comes from one
+weight version (``Experience.policy_version``, checked against each completion). With
+``grpo.overlap`` batch k+1 is started on step k-1's weights right after batch k is handed over
+(one step off-policy, rollout/staleness).
 """
 from __future__ import annotations
 
-import datetime
 import logging
-import threading
+import math
+import multiprocessing
 import time
-from concurrent.futures import Future
-from typing import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
-import torch.distributed as dist
 
 from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.evaluation import EvalSampling, EvalSuite, accuracy, default_reward
 from megadiv.rewards import build_reward
-from megadiv.rollout import Bucket, RolloutError, SamplingParams, make_engine, resolve_engine_name
-from megadiv.rollout.config import RolloutConfig
-from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
+from megadiv.rollout import RolloutError, SamplingParams, make_engine
+from megadiv.rollout.sglang_server import TrainerMemory
+from megadiv.rollout.stream import GroupResult
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.experience import Experience, build_experience, concat, informative_groups, take_groups
-from megadiv.trainer.metrics import StepTimer
+from megadiv.trainer.experience import Experience, build_experience, informative
+from megadiv.trainer.handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -42,40 +48,16 @@ MAX_STALENESS = 1
 """Weight versions a trained batch may lag the policy it updates (0 on-policy, 1 with grpo.overlap)."""
 
 
-def trainer_memory_for_servers(cfg: RolloutConfig, reserved_bytes: int) -> TrainerMemory | None:
-    """Collective (every trainer rank, after its models are built): each rank's free GPU memory
-    and ``reserved_bytes`` (its optimizer state to come), for SGLang servers rank 0 launches on
-    CUDA beside the trainer (sglang_server.place_server); None when no server is launched there."""
-    launches = torch.cuda.is_available() and not cfg.server_urls and resolve_engine_name(cfg) == "sglang"
-    return gather_trainer_memory(reserved_bytes) if launches else None
-
-
-def generation_group(cfg: TrainConfig, world_size: int):
-    """Collective (every rank): a gloo group of all ranks when every rank generates (the embedded
-    engine, more than one rank, no grpo.overlap), else None. Not with overlap: rank 0 generates
-    in a thread while every rank trains, and the others cannot serve generation meanwhile."""
-    if resolve_engine_name(cfg.rollout) != "embedded" or world_size == 1 or cfg.grpo.overlap:
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
-
-
-def shares_weights(cfg: TrainConfig) -> bool:
-    """Whether the embedded engine takes the actor's parameters as its weights (views, no copy)
-    where the policy offers them (Policy.hf_weight_views: TP = PP = 1). Not with grpo.overlap:
-    the engine then generates while the optimizer changes the parameters."""
-    return resolve_engine_name(cfg.rollout) == "embedded" and not cfg.grpo.overlap
-
-
 class RolloutDriver:
-    """Prompts -> completions -> rewards -> advantages, and held-out evaluation."""
+    """Prompts -> completions -> rewards -> advantages -> the hand-off store; evaluation."""
 
-    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, trainer_memory: TrainerMemory | None = None,
-                 group=None):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: TrainConfig, hf_dir: str, tokenizer, handoff: Handoff, dp_size: int,
+                 trainer_memory: TrainerMemory | None = None, group=None):
+        self.cfg, self.tokenizer, self.handoff, self.dp_size = cfg, tokenizer, handoff, dp_size
         self.dataset = load_dataset(cfg.data)
         self.template = PromptTemplate.resolve(cfg.data, self.dataset, tokenizer)
-        self.sampler = PromptSampler(len(self.dataset), cfg.grpo.prompts_per_step, seed=cfg.data.seed,
-                                     shuffle=cfg.data.shuffle)
+        # one prompt at a time: the stream draws as many as the step needs
+        self.sampler = PromptSampler(len(self.dataset), 1, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.reward = build_reward(cfg.reward)
         # eval.data is graded with the training reward, eval.extra_data with their datasets' own
         eval_data = ([cfg.eval.data] if cfg.eval.data is not None else []) + list(cfg.eval.extra_data)
@@ -87,14 +69,40 @@ class RolloutDriver:
         self._split = group is not None  # generation_group: every rank generates a slice of each call
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.served_step = 0  # the trainer step whose weights the engine serves (0: the starting ones)
-        self._ahead: Future | None = None  # the next batch, in flight or done (grpo.overlap)
+        self._batches = ThreadPoolExecutor(1, thread_name_prefix="megadiv-rollout")
+        self._grader = ThreadPoolExecutor(1, thread_name_prefix="megadiv-reward")
+        self._job: Future | None = None          # the batch being generated (and published)
+        self._published: tuple[int, Experience] | None = None
+        self._restored: Experience | None = None  # a batch generated ahead, from a checkpoint
 
-    def collect(self, step: int) -> Experience:
-        """Batch ``step``: the one generated ahead (grpo.overlap, or restored from a checkpoint), else
-        one generated now. Records rollout/staleness, the trainer's weight version (step - 1) minus
-        the generating one, and raises if it is outside [0, MAX_STALENESS]."""
-        ahead, self._ahead = self._ahead, None
-        exp = ahead.result() if ahead is not None else self._generate(step)
+    # ------------------------------------------------------------------ batches
+
+    def start_batch(self, step: int) -> None:
+        """Generate batch ``step`` on the weights served now, in the background, and publish each
+        replica's rows (or the error, which every waiting rank raises)."""
+        if self._job is not None and not self._job.done():
+            raise RuntimeError(f"batch {step} requested while another batch is being generated")
+        self._job = self._batches.submit(self._publish, step)
+
+    def _publish(self, step: int) -> None:
+        try:
+            exp = self._collect(step)
+            self.handoff.publish_batch(step, exp, self.dp_size, self.cfg.grpo.mini_batches)
+            self._published = (step, exp)
+        except BaseException as e:
+            self.handoff.fail(f"batch/{step}", e)
+            raise
+        finally:
+            self._release()
+
+    def _collect(self, step: int) -> Experience:
+        """Batch ``step``: the one restored from a checkpoint, else one generated now. Records
+        rollout/staleness, the trainer's weight version (step - 1) minus the generating one, and
+        raises if it is outside [0, MAX_STALENESS]."""
+        exp, self._restored = self._restored, None
+        if exp is None:
+            torch.manual_seed(self.cfg.run.seed * 1_000_003 + step)  # sampling reproducible per step (resume)
+            exp = self._sample()
         staleness = step - 1 - exp.policy_version
         if not 0 <= staleness <= MAX_STALENESS:
             raise RolloutError(f"batch {step} was generated by the weights of step {exp.policy_version}: {staleness} "
@@ -102,111 +110,163 @@ class RolloutDriver:
         exp.metrics = exp.metrics | {"rollout/staleness": staleness}
         return exp
 
-    def collect_ahead(self, step: int) -> None:
-        """Start batch ``step`` on the weights served now, in a daemon thread (a stop signal must not
-        wait for it); ``collect`` takes it, ``push_weights`` and ``state_dict`` wait for it."""
-        if self._ahead is not None:
-            raise RuntimeError(f"batch {step} requested while the batch ahead is still pending")
-        self._ahead = Future()
-        threading.Thread(target=_run_into, args=(self._ahead, self._generate, step), daemon=True,
-                         name=f"megadiv-rollout-step{step}").start()
+    def _sample(self) -> Experience:
+        """One batch of grpo.prompts_per_step complete groups from the engine's stream (see the
+        module docstring)."""
+        g, want = self.cfg.grpo, self.cfg.grpo.prompts_per_step
+        wave = math.ceil(want * g.oversample)
+        limit = wave + g.max_resample_rounds * wave  # groups drawn at most
+        stream = self.engine.open_stream(self.sampling)
+        useful, uniform, grading = [], [], []
+        counts = {"drawn": 0, "dropped": 0, "aborted_completions": 0, "top_ups": 0}
+        start, graded_s = time.perf_counter(), [0.0]
 
-    def _finish_ahead(self) -> float:
-        """Wait until the batch ahead, if any, is done (``collect`` takes it); the seconds waited."""
-        start = time.perf_counter()
-        if self._ahead is not None:
-            self._ahead.result()
-        return time.perf_counter() - start
+        def submit(n: int) -> None:
+            for _ in range(min(n, limit - counts["drawn"])):
+                index = self.sampler.next_batch()[0]
+                stream.submit(index, self.template.token_ids(self.dataset[index], self.tokenizer))
+                counts["drawn"] += 1
 
-    def _generate(self, step: int) -> Experience:
-        timer = StepTimer()
-        torch.manual_seed(self.cfg.run.seed * 1_000_003 + step)  # sampling reproducible per step (resume)
-        exp = self._sample(timer)
-        exp.metrics = exp.metrics | timer.as_metrics(total=False)  # time/rollout, time/reward of this batch
+        def take(graded) -> None:
+            result, scores, reasons = graded
+            completions = result.completions
+            cut = sum(c.finish_reason == "abort" or (c.finish_reason == "length"
+                                                     and len(c.token_ids) < self.sampling.max_new_tokens)
+                      for c in completions)
+            if cut:  # never trained as complete: the server aborted it or cut it short
+                counts["dropped"] += 1
+                counts["aborted_completions"] += cut
+            elif not g.dynamic_sampling or informative(scores, completions, self.sampling.max_new_tokens,
+                                                       g.overlong_buffer, g.overlong_penalty):
+                useful.append(graded)
+            else:
+                uniform.append(graded)
+
+        try:
+            submit(wave)
+            while len(useful) < want:
+                for fut in [f for f in grading if f.done()]:
+                    grading.remove(fut)
+                    take(fut.result())
+                if len(useful) >= want:
+                    break
+                if want - len(useful) - stream.pending - len(grading) > 0 and counts["drawn"] < limit:
+                    counts["top_ups"] += 1  # what is in flight cannot fill the step: draw more
+                    submit(math.ceil((want - len(useful) - stream.pending - len(grading)) * g.oversample))
+                if stream.pending:
+                    grading.append(self._grader.submit(self._grade, stream.next_done(), graded_s))
+                elif grading:
+                    wait(grading, return_when=FIRST_COMPLETED)
+                else:
+                    break  # nothing left in flight and nothing more to draw
+            aborted = stream.abort_pending()
+            for fut in grading:  # groups already back: graded, then kept as spares
+                take(fut.result())
+        finally:
+            stream.close()
+        kept = useful[:want] + uniform[:max(0, want - len(useful))]
+        if len(kept) < want:
+            raise RolloutError(f"only {len(kept)} of grpo.prompts_per_step={want} groups came back complete after "
+                               f"{counts['drawn']} drawn ({counts['dropped']} with aborted or server-cut completions)")
+        exp = self._experience(kept)
+        stats = stream.stats
+        exp.metrics = exp.metrics | {
+            "time/rollout": time.perf_counter() - start, "time/reward": graded_s[0],
+            "rollout/drawn_groups": counts["drawn"], "rollout/dropped_groups": counts["dropped"],
+            "rollout/aborted_completions": counts["aborted_completions"], "rollout/aborted_groups": aborted,
+            "rollout/resent_groups": stats.resent_groups, "rollout/dropped_servers": len(stats.dropped_servers)}
+        if g.dynamic_sampling:
+            exp.metrics |= {"dynamic/kept_groups": min(len(useful), want) / want,
+                            "dynamic/rounds": counts["top_ups"] + 1}
         return exp
 
-    def _sample(self, timer: StepTimer) -> Experience:
-        """One rollout batch of grpo.prompts_per_step groups; with dynamic sampling, groups without
-        reward variance are replaced by fresh ones for up to grpo.max_resample_rounds rounds."""
-        g, want = self.cfg.advantage.group_size, self.cfg.grpo.prompts_per_step
-        kept, spare, rounds = [], [], 0
-        while True:
-            exp = self._rollout(self.sampler.next_batch(), timer)
-            if not self.cfg.grpo.dynamic_sampling:
-                return exp
-            useful = informative_groups(exp, g)
-            kept.append(take_groups(exp, useful, g))
-            spare.append(take_groups(exp, [i for i in range(len(exp) // g) if i not in useful], g))
-            have = sum(len(e) for e in kept) // g
-            if have >= want or rounds == self.cfg.grpo.max_resample_rounds:
-                break
-            rounds += 1
-        # Fill up with zero-advantage groups (no policy gradient) to keep the batch shape.
-        batch = concat(kept + spare)
-        batch = take_groups(batch, list(range(want)), g)
-        batch.metrics = exp.metrics | {"dynamic/kept_groups": min(have, want) / want, "dynamic/rounds": rounds + 1}
-        return batch
+    def _grade(self, result: GroupResult, seconds: list[float]):
+        start = time.perf_counter()
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in result.completions]
+        graded = self.reward(texts, [self.dataset[result.key]] * len(texts))
+        seconds[0] += time.perf_counter() - start
+        return result, graded.scores, graded.reasons
 
-    def _rollout(self, indices: list[int], timer: StepTimer) -> Experience:
-        records = [self.dataset[i] for i in indices]
-        prompts = [self.template.token_ids(r, self.tokenizer) for r in records]
-        with timer("rollout"):
-            groups = self.engine.generate(prompts, self.sampling)
-        versions = {c.weight_version for group in groups for c in group}
-        if versions != {version_name(self.served_step)}:  # a push can never land mid-batch (push_weights)
+    def _experience(self, kept: list) -> Experience:
+        versions = {c.weight_version for result, _, _ in kept for c in result.completions}
+        if versions != {version_name(self.served_step)}:  # a push can never land mid-batch (quiesce)
             raise RolloutError(f"a rollout batch came from weight versions {sorted(versions)}, expected only "
                                f"{version_name(self.served_step)!r}")
-        with timer("reward"):
-            texts = [self._decode(c.token_ids) for group in groups for c in group]
-            result = self.reward(texts, [r for r in records for _ in range(self.sampling.n)])
-        return build_experience(prompts, groups, result.scores, result.reasons, self.cfg.advantage,
-                                self.sampling.max_new_tokens, self.cfg.grpo.overlong_buffer,
-                                self.cfg.grpo.overlong_penalty, self.cfg.grpo.mask_truncated, self.served_step)
+        g = self.cfg.grpo
+        return build_experience([r.prompt for r, _, _ in kept], [r.completions for r, _, _ in kept],
+                                [s for _, scores, _ in kept for s in scores],
+                                [x for _, _, reasons in kept for x in reasons], self.cfg.advantage,
+                                self.sampling.max_new_tokens, g.overlong_buffer, g.overlong_penalty,
+                                g.mask_truncated, self.served_step)
 
-    def evaluate(self) -> dict[str, float]:
+    def quiesce(self, step: int) -> list[str] | None:
+        """Before the weights of ``step`` are pushed: wait for the batch in flight (the old
+        weights finish it), then let the ranks start the export. Returns the servers still in the
+        fleet (None for an in-process engine)."""
+        try:
+            if self._job is not None:
+                self._job.result()
+        except BaseException as e:
+            self.handoff.fail(f"push/{step}", e)
+            raise
+        self.handoff.publish(f"push/{step}")
+        return getattr(self.engine, "urls", None)
+
+    def served(self, step: int) -> None:
+        """The engine now serves the weights of ``step``."""
+        self.served_step = step
+
+    # ------------------------------------------------------------------ evaluation and state
+
+    def evaluate(self, index: int) -> dict[str, float]:
         """Greedy pass@1 (eval/accuracy) on eval.data, with eval.samples = k > 0 also avg@k and pass@k
-        at eval.temperature; the same for each of eval.extra_data as eval/<name>_<split>/<metric>."""
+        at eval.temperature; the same for each of eval.extra_data as eval/<name>_<split>/<metric>.
+        Evaluation ``index`` of the run: its store key wakes the ranks."""
         cfg = self.cfg.eval
-        self._finish_ahead()  # on an idle engine, with torch's generator to itself
-        sampling = EvalSampling(cfg.max_new_tokens or self.sampling.max_new_tokens, cfg.samples, cfg.temperature)
-        metrics = {}
-        for i, (name, result) in enumerate(self.eval_suite.run(self.engine, sampling).items()):
-            primary = i == 0 and cfg.data is not None
-            prefix = "eval/" if primary else f"eval/{name.replace(':', '_')}/"
-            metrics |= {prefix + ("accuracy" if key == "pass@1" and primary else key): value
-                        for key, value in accuracy(result).items()}
+        try:
+            if self._job is not None:
+                self._job.result()  # on an idle engine, with torch's generator to itself
+            sampling = EvalSampling(cfg.max_new_tokens or self.sampling.max_new_tokens, cfg.samples, cfg.temperature)
+            metrics = {}
+            for i, (name, result) in enumerate(self.eval_suite.run(self.engine, sampling).items()):
+                primary = i == 0 and cfg.data is not None
+                prefix = "eval/" if primary else f"eval/{name.replace(':', '_')}/"
+                metrics |= {prefix + ("accuracy" if key == "pass@1" and primary else key): value
+                            for key, value in accuracy(result).items()}
+        except BaseException as e:
+            self.handoff.fail(f"eval/{index}", e)
+            raise
+        finally:
+            self._release()
+        self.handoff.publish(f"eval/{index}")
         return metrics
 
-    def release(self) -> None:
-        """End a rollout phase (collect, evaluate): the other ranks stop serving generation."""
+    def _release(self) -> None:
+        """End a generation phase: the other ranks stop serving generation (generation_group)."""
         if self._split:
             self.engine.release()
 
-    def push_weights(self, buckets, step: int, share: bool = False) -> dict[str, float]:
-        """Serve the weights of ``step``: after the batch in flight, which the old weights finish.
-        ``share``: the buckets are views of the actor's parameters (embedded engine only)."""
-        waited = self._finish_ahead()
-        report = (self.engine.update_weights(buckets, version_name(step), share=True) if share
-                  else self.engine.update_weights(buckets, version_name(step)))
-        self.served_step = step
-        return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "time/rollout_wait": waited}
-
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of the rollout side: the prompt position and the batch generated
-        ahead (saved, not regenerated: its weights, step - 1's, are not in the checkpoint)."""
-        ahead = self._ahead.result().state_dict() if self._ahead is not None else None  # waits for it
+    def state_dict(self, step: int) -> dict:
+        """What a checkpoint after ``step`` keeps of the rollout side: the prompt position and a
+        batch generated ahead (saved, not regenerated: its weights, step - 1's, are not in the
+        checkpoint)."""
+        if self._job is not None:
+            self._job.result()
+        ahead = self._published[1].state_dict() if self._published and self._published[0] > step else None
         return {"sampler": self.sampler.state_dict(), "batch_ahead": ahead}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:
+            raise RolloutError(f"the checkpoint's prompt position does not fit this driver ({e}): it was written by "
+                               f"a version that drew prompts per step") from None
         if state.get("batch_ahead") is not None:
-            self._ahead = Future()
-            self._ahead.set_result(Experience.from_state_dict(state["batch_ahead"]))
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            self._restored = Experience.from_state_dict(state["batch_ahead"])
 
     def close(self) -> None:
+        self._batches.shutdown(wait=False, cancel_futures=True)
+        self._grader.shutdown(wait=False, cancel_futures=True)
         for close in (self.engine.shutdown, self.eval_suite.close, self.reward.close):
             try:
                 close()
@@ -214,38 +274,83 @@ class RolloutDriver:
                 log.exception("while closing the rollout driver")
 
 
-class RolloutWorker:
-    """A rank other than 0 when every rank generates (generation_group): its own embedded engine
-    generates its slice of rank 0's calls and serves the weights of this rank's own export."""
+class DriverProcess:
+    """A RolloutDriver in a process of its own, spawned here (rank 0); its methods are called over
+    a pipe and return what the driver's return (``port``: its hand-off store's)."""
 
-    def __init__(self, cfg: TrainConfig, hf_dir: str, group):
-        self.engine, self.group = make_engine(cfg.rollout, hf_dir, group=group), group
+    def __init__(self, cfg: TrainConfig, hf_dir: str, dp_size: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.timeout_s = cfg.rollout.handoff_timeout_s
+        self.proc = ctx.Process(target=_serve_driver, args=(child, cfg, hf_dir, dp_size), name="megadiv-driver")
+        self.proc.start()
+        child.close()
+        self.port = self._reply("start")
 
-    def serve(self) -> None:
-        """Generate this rank's slices of rank 0's calls until rank 0 releases the ranks."""
-        self.engine.serve(self.group)
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
 
-    def push_weights(self, buckets, step: int, share: bool = False) -> dict[str, float]:
-        self.engine.update_weights(buckets, version_name(step), share=share)
-        return {}
+        def call(*args, **kwargs):
+            self._conn.send((name, args, kwargs))
+            return self._reply(name)
+        return call
+
+    def _reply(self, what: str):
+        deadline = time.monotonic() + self.timeout_s
+        while not self._conn.poll(1.0):
+            if not self.proc.is_alive():
+                raise RolloutError(f"the rollout driver process died (exit code {self.proc.exitcode}) during {what}")
+            if time.monotonic() > deadline:
+                raise RolloutError(f"the rollout driver did not answer {what} within rollout.handoff_timeout_s="
+                                   f"{self.timeout_s:g} s")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise RolloutError(f"rollout driver: {value}")
+        return value
 
     def close(self) -> None:
-        self.engine.shutdown()
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("close", (), {}))
+                self._conn.poll(60.0)
+            except OSError:
+                pass
+            self.proc.join(30.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10.0)
+
+
+def _serve_driver(conn, cfg: TrainConfig, hf_dir: str, dp_size: int) -> None:
+    """The driver process: build the driver, then answer calls until ``close``."""
+    from transformers import AutoTokenizer
+
+    from megadiv.rollout.sglang_server import term_on_parent_death
+
+    term_on_parent_death()
+    torch.set_num_threads(1)  # decoding and bookkeeping only: leave the cores to the trainer
+    driver = None
+    try:
+        handoff, port = Handoff.host(cfg.rollout.handoff_timeout_s)
+        driver = RolloutDriver(cfg, hf_dir, AutoTokenizer.from_pretrained(hf_dir), handoff, dp_size)
+        conn.send(("ok", port))
+        while True:
+            name, args, kwargs = conn.recv()
+            if name == "close":
+                break
+            try:
+                conn.send(("ok", getattr(driver, name)(*args, **kwargs)))
+            except BaseException as e:  # handed to rank 0, which fails the run with it
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        if driver is not None:
+            driver.close()
+        conn.send(("ok", None))
 
 
 def version_name(step: int) -> str:
     """The engine's name for the weights of trainer step ``step`` (0: "default", the starting weights)."""
     return f"step-{step}" if step else "default"
-
-
-def _run_into(future: Future, fn, *args) -> None:
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # handed to whoever waits for the batch
-        future.set_exception(e)
-
-
-def drain(buckets: Iterable[Bucket]) -> None:
-    """Take part in a collective weight export without sending anything (ranks other than 0)."""
-    for _ in buckets:
-        pass

@@ -1,8 +1,7 @@
 """From sampled completions to training rows: rewards, shaping, advantages, dynamic sampling, packing.
 
-Everything here runs on the rank that drives the rollout engine (global rank 0) and is plain
-Python/torch: the result, an :class:`Experience`, is broadcast to every rank, and each
-data-parallel replica takes its slice of the rows.
+Everything here runs in the rollout driver (driver.py) and is plain Python/torch: the result, an
+:class:`Experience`, is dealt to the data-parallel replicas as packed tensors (handoff.py).
 """
 from __future__ import annotations
 
@@ -49,10 +48,17 @@ class Experience:
         """Right-padded [B, S] rows; position t carries the log-prob of token t + 1 (see megadiv/policy/megatron.py).
         Rows out of the loss keep their place (and count in B for seq-mean-token-sum-norm) with an
         all-zero loss mask."""
-        batch = SequenceBatch.pack(self.prompts, self.responses, pad_id, response_values=self.rollout_logprobs,
-                                   advantages=self.advantages.float())
-        batch.loss_mask *= self.in_loss[:, None]
-        return batch
+        return training_rows(self.prompts, self.responses, self.rollout_logprobs, self.advantages, self.in_loss,
+                             pad_id)
+
+
+def training_rows(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
+                  advantages: torch.Tensor, in_loss: torch.Tensor, pad_id: int) -> SequenceBatch:
+    """The [B, S] rows a policy trains on; a row out of the loss keeps its place with a zero loss mask."""
+    batch = SequenceBatch.pack(prompts, responses, pad_id, response_values=rollout_logprobs,
+                               advantages=advantages.float())
+    batch.loss_mask *= in_loss[:, None]
+    return batch
 
 
 def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -99,22 +105,11 @@ def build_experience(prompts: list[list[int]], groups: list[list[Completion]], s
         policy_version=policy_version)
 
 
-def informative_groups(exp: Experience, group_size: int) -> list[int]:
-    """DAPO dynamic sampling: indices of the groups whose rewards are not all equal."""
-    grouped = exp.rewards.view(-1, group_size)
-    return [g for g in range(grouped.shape[0]) if bool((grouped[g] != grouped[g, 0]).any())]
-
-
-def take_groups(exp: Experience, groups: list[int], group_size: int) -> Experience:
-    rows = [g * group_size + j for g in groups for j in range(group_size)]
-    return Experience([exp.prompts[i] for i in rows], [exp.responses[i] for i in rows],
-                      [exp.rollout_logprobs[i] for i in rows], exp.rewards[rows], exp.advantages[rows],
-                      exp.in_loss[rows], exp.metrics, exp.policy_version)
-
-
-def concat(parts: list[Experience]) -> Experience:
-    first = parts[0]
-    return Experience(sum((p.prompts for p in parts), []), sum((p.responses for p in parts), []),
-                      sum((p.rollout_logprobs for p in parts), []), torch.cat([p.rewards for p in parts]),
-                      torch.cat([p.advantages for p in parts]), torch.cat([p.in_loss for p in parts]), first.metrics,
-                      first.policy_version)
+def informative(scores: list[float], completions: list[Completion], max_new_tokens: int, overlong_buffer: int = 0,
+                overlong_penalty: float = 1.0) -> bool:
+    """DAPO dynamic sampling: whether one group's rewards (after overlong shaping, as the batch's)
+    are not all equal, i.e. whether it carries a policy gradient."""
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
+    rewards = torch.tensor(scores, dtype=torch.float32) + overlong_shaping(lengths, max_new_tokens, overlong_buffer,
+                                                                         overlong_penalty)
+    return bool((rewards != rewards[0]).any())

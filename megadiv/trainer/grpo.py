@@ -1,11 +1,11 @@
 """The GRPO loop: generate -> reward -> advantage -> train -> sync -> evaluate / save.
 
-Rank 0 drives the rollout engine and the rewards (driver.py) and broadcasts each batch; every
-rank trains on its data-parallel slice through megatron's pipeline schedule (megadiv/policy/megatron.py) and
-takes part in the collective weight export that rank 0 pushes to the engine. With the embedded
-engine every rank generates a slice of each batch with an engine of its own (RolloutWorker), which
-at TP = PP = 1 shares the actor's parameters instead of copying them. With grpo.overlap,
-batch k+1 is generated on step k-1's weights while the ranks train on batch k (one step off-policy).
+One rollout driver per job (driver.py: the engine's stream, rewards, advantages) deals each batch
+to the data-parallel replicas as packed tensors; every rank reaches it through one ``Rollout``
+(rollout.py), trains on its replica's rows through megatron's pipeline schedule
+(megadiv/policy/megatron.py) and takes part in the collective weight export that is pushed to the
+engines. With grpo.overlap, batch k+1 is generated on step k-1's weights while the ranks train on
+batch k (one step off-policy).
 """
 from __future__ import annotations
 
@@ -29,18 +29,11 @@ from megadiv.rollout import ProbeBatch, check_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.driver import (
-    RolloutDriver,
-    RolloutWorker,
-    drain,
-    generation_group,
-    shares_weights,
-    trainer_memory_for_servers,
-)
-from megadiv.trainer.experience import Experience
+from megadiv.trainer.handoff import ReplicaRows
 from megadiv.trainer.lifecycle import NonFiniteError, RunGuard
 from megadiv.trainer.metrics import MetricsLogger, StepTimer, plot_curves
 from megadiv.trainer.model_card import write_model_card
+from megadiv.trainer.rollout import Rollout, shares_weights
 from megadiv.trainer.warm_start import starting_checkpoint
 
 
@@ -56,7 +49,7 @@ def train(cfg: TrainConfig) -> Path:
 
 def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
     _write_run_config(cfg, run_dir, info.rank)
-    driver = worker = logger = None
+    rollout = logger = None
     try:
         start_dir = starting_checkpoint(cfg, run_dir, info)
         model_cfg = ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir})
@@ -69,51 +62,44 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
 
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        memory = trainer_memory_for_servers(cfg.rollout, actor.optimizer_state_bytes())   # collective
-        group = generation_group(cfg, info.world_size)                     # collective
-        driver = RolloutDriver(cfg, start_dir, tokenizer, memory, group) if info.rank == 0 else None
-        worker = RolloutWorker(cfg, start_dir, group) if group is not None and info.rank != 0 else None
+        rollout = Rollout(cfg, info, start_dir, tokenizer, actor.optimizer_state_bytes())  # collective
         probe = ProbeBatch.random(actor.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
-        state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "sampler": None, "batch_ahead": None,
-                 "eval_before": None}
+        state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "eval_before": None}
         latest = checkpoint.find_resume_point(run_dir, cfg.parallel) if cfg.checkpoint.resume == "auto" else None
         if info.rank == 0:  # torchrun --max-restarts: resume, or refuse when the failed attempt saved nothing
             checkpoint.note_attempt(run_dir, latest, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)
-            if driver:
-                driver.load_state_dict(state)  # the prompt position and the batch generated ahead
+            rollout.load_state_dict(state, state["step"])  # the prompt position and the batch generated ahead
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
         if latest is not None or shares_weights(cfg):  # the loaded weights; shared from the start (no copy)
-            _push_weights(cfg, actor, driver, worker, state["step"])
+            rollout.push_weights(actor, state["step"])
         resumed_step = state["step"]
         logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, cfg.run, to_dict(cfg),
                                resumed_step=resumed_step if latest else None)
         if latest is None:
-            state["eval_before"] = _rollout_phase(driver, worker, RolloutDriver.evaluate)
-            logger.log(0, state["eval_before"] or {}, prefix="eval")
+            state["eval_before"] = rollout.evaluate()
+            logger.log(0, state["eval_before"], prefix="eval")
 
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
             run.step, timer = step, StepTimer()
-            exp = _broadcast(_rollout_phase(driver, worker, RolloutDriver.collect, step))  # generate, reward, adv.
-            if driver and cfg.grpo.overlap and step < cfg.grpo.steps:            # overlap: batch step+1 on
-                driver.collect_ahead(step + 1)                                   # step-1's weights, meanwhile
-            with timer("train"):
-                metrics = _optimize(cfg, actor, reference, exp, info, pad_id)   # ref/old log-probs, updates
+            with timer("batch_wait"):
+                rows, rollout_metrics = rollout.collect(step)                   # this replica's rows: generated,
+            with timer("train"):                                                # rewarded, advantages
+                metrics = _optimize(cfg, actor, reference, rows, pad_id)        # ref/old log-probs, updates
             if mirror_map is not None:                                          # the same h, every rank and step
                 metrics["mirror_map/fingerprint"] = checkpoint.check_mirror_map(cfg.loss, mirror_map)
             state = _guard(cfg, state, metrics, step)                           # skip / abort on NaN
             with timer("sync"):
-                sync = _sync_weights(cfg, actor, driver, worker, probe, step)   # (batch ahead done) push, probe
+                sync = _sync_weights(cfg, actor, rollout, probe, step)          # (batch ahead done) push, probe
             evaluates = cfg.eval.every and step % cfg.eval.every == 0
-            evaluated = (_rollout_phase(driver, worker, RolloutDriver.evaluate) or {}) if evaluates else {}
-            logger.log(step, exp.metrics | metrics | sync | evaluated | timer.as_metrics())
+            evaluated = rollout.evaluate() if evaluates else {}
+            logger.log(step, rollout_metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
-            if driver:
-                state |= driver.state_dict()
+            state |= rollout.state_dict(step)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
                 checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last, cfg.parallel)
         if last < cfg.grpo.steps:
@@ -122,10 +108,10 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                             f"run directory: {run_dir}")
             return run_dir
 
-        after = _rollout_phase(driver, worker, RolloutDriver.evaluate) or {}
+        after = rollout.evaluate()
         if cfg.checkpoint.export_hf:
             checkpoint.export_hf(run_dir, actor, start_dir, state["step"], retrained=state["step"] > resumed_step)
-        if driver:
+        if info.rank == 0:
             logger.log(cfg.grpo.steps, after, prefix="eval")
             _finish(cfg, run_dir, logger, state, after)
         return run_dir
@@ -136,18 +122,15 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
     finally:
         if logger:
             logger.close()
-        for rollout in (driver, worker):
-            if rollout:
-                rollout.close()
+        if rollout:
+            rollout.close()
         parallel.shutdown()
 
 
-def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Experience, info,
-              pad_id: int) -> dict:
+def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, rows: ReplicaRows, pad_id: int) -> dict:
     """This replica's rows: reference and old-policy log-probs, then ppo_epochs x mini_batches
     optimizer steps."""
-    rows = _my_rows(len(exp), info)
-    batch = exp.select(rows).to_batch(pad_id)
+    batch = rows.to_batch(pad_id)
     mbs = cfg.grpo.micro_batch_size
     if reference is not None:
         batch.logp_ref = reference.log_probs(batch, mbs)
@@ -159,7 +142,7 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
         batch.logp_old = actor.log_probs(batch, mbs)
     kl_metrics = {}
     if kl_in_reward:
-        batch.advantages, kl_metrics = _advantages_with_kl_in_reward(cfg, actor, exp, batch, rows)
+        batch.advantages, kl_metrics = _advantages_with_kl_in_reward(cfg, actor, rows, batch)
     # the reference logits are made afresh for each micro-batch: the divergence may overwrite them
     regularizer = cfg.loss.divergence(cfg.loss.regularizer, consume_base=True) if cfg.uses_vocab_regularizer else None
     objective = grpo_objective(cfg.loss)
@@ -170,21 +153,20 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, exp: Ex
     return metrics | kl_metrics
 
 
-def _advantages_with_kl_in_reward(cfg: TrainConfig, actor: Policy, exp: Experience, batch: SequenceBatch,
-                                  rows: slice):
+def _advantages_with_kl_in_reward(cfg: TrainConfig, actor: Policy, rows: ReplicaRows, batch: SequenceBatch):
     """KL in the reward: r_i - beta * sum_t k_t(pi_old, pi_ref), then the advantages again (and the
     mean penalty as a metric). The
     last pipeline stages hold the log-probs of their replica's rows; one all-reduce assembles the
     penalty of every row on every rank (each of the TP ranks of a last stage adds the same value)."""
     from megatron.core import parallel_state
 
-    penalty = torch.zeros(len(exp), device=actor.device)  # the default group may be NCCL
+    penalty = torch.zeros(len(rows.rewards), device=actor.device)  # the default group may be NCCL
     if batch.logp_ref is not None:
-        penalty[rows] = kl_reward_penalty(cfg.loss.kl_estimator, cfg.loss.kl_coef, batch.logp_old, batch.logp_ref,
-                                          batch.loss_mask.to(actor.device))
+        penalty[rows.row_index.to(actor.device)] = kl_reward_penalty(
+            cfg.loss.kl_estimator, cfg.loss.kl_coef, batch.logp_old, batch.logp_ref, batch.loss_mask.to(actor.device))
     dist.all_reduce(penalty)
     penalty = penalty.cpu() / parallel_state.get_tensor_model_parallel_world_size()
-    advantages = compute_advantages(cfg.advantage, exp.rewards - penalty)[rows].float()
+    advantages = compute_advantages(cfg.advantage, rows.rewards - penalty)[rows.row_index].float()
     return advantages, {"reward/kl_penalty_mean": float(penalty.mean())}
 
 
@@ -201,40 +183,15 @@ def _guard(cfg: TrainConfig, state: dict, metrics: dict, step: int) -> dict:
     return state
 
 
-def _rollout_phase(driver: RolloutDriver | None, worker: RolloutWorker | None, work, *args):
-    """``work(driver, *args)`` on rank 0 (None elsewhere); ranks with a RolloutWorker generate their
-    slices of its calls meanwhile, until it releases them."""
-    if worker:
-        worker.serve()
-    if not driver:
-        return None
-    out = work(driver, *args)
-    driver.release()
-    return out
-
-
-def _push_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, worker: RolloutWorker | None,
-                  step: int) -> dict:
-    """Serve the actor's weights of ``step`` on every rank's engine: views of the parameters where
-    the embedded engine shares them (no copy, no communication), else the collective export, which
-    rank 0 pushes to its engine, a RolloutWorker to its own, and any other rank drains."""
-    views = actor.hf_weight_views() if shares_weights(cfg) else None
-    buckets = [views] if views is not None else actor.export_buckets(cfg.rollout.bucket_bytes)
-    rollout = driver or worker
-    return rollout.push_weights(buckets, step, share=views is not None) if rollout else drain(buckets) or {}
-
-
-def _sync_weights(cfg: TrainConfig, actor: Policy, driver: RolloutDriver | None, worker: RolloutWorker | None,
-                  probe: ProbeBatch, step: int) -> dict:
+def _sync_weights(cfg: TrainConfig, actor: Policy, rollout: Rollout, probe: ProbeBatch, step: int) -> dict:
     """Push the actor's weights to the engines, then, at step 1 and every grpo.check_mismatch_every
     steps, compare each engine's log-probs with the trainer's on the probe batch (every rank with
     an engine checks its own: a failing rank raises)."""
-    metrics = _push_weights(cfg, actor, driver, worker, step)
+    metrics = rollout.push_weights(actor, step)
     every = cfg.grpo.check_mismatch_every
     if every and (step == 1 or step % every == 0):  # step 1: a wrong mapping shows at once
         trainer_lp = _probe_logprobs(actor, probe)
-        rollout = driver or worker
-        if rollout:
+        if rollout.engine is not None:
             report = check_mismatch(rollout.engine, probe, trainer_lp,
                                     cfg.rollout.probe_threshold(cfg.model.fp8 != "none"), f"step-{step}")
             metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
@@ -253,20 +210,6 @@ def _probe_logprobs(actor: Policy, probe: ProbeBatch) -> list[torch.Tensor]:
                                                                                        probe.responses))]]
     dist.broadcast_object_list(out, src=dist.get_world_size() - 1)
     return out[0]
-
-
-def _broadcast(exp: Experience | None) -> Experience:
-    box = [exp]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _my_rows(rows: int, info) -> slice:
-    """This data-parallel replica's contiguous share of the rows (rows split evenly across DP)."""
-    per = rows // info.dp_size
-    if per * info.dp_size != rows:
-        raise ValueError(f"{rows} rows do not split over {info.dp_size} data-parallel replicas")
-    return slice(info.dp_rank * per, (info.dp_rank + 1) * per)
 
 
 def _write_run_config(cfg: TrainConfig, run_dir: Path, rank: int) -> None:

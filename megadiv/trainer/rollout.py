@@ -1,0 +1,188 @@
+"""Rollout, as one rank of the trainer sees it: the rows it trains on, the weights it serves,
+the evaluations it waits for. One object per rank; the loop (grpo.py) calls the same methods on
+every rank and never asks which rank it is.
+
+    rollout = Rollout(cfg, info, start_dir, tokenizer, actor)   # collective
+    rows, metrics = rollout.collect(step)        # this replica's rows of batch ``step``
+    sync = rollout.push_weights(actor, step)     # the engines serve the weights of ``step``
+    evaluated = rollout.evaluate()               # metrics on rank 0, {} elsewhere
+
+Where things run (docs/architecture.md):
+- the driver (driver.py: prompts, generation stream, rewards, advantages, evaluation): with SGLang
+  in a process of its own beside rank 0 (DriverProcess); with the embedded engine in rank 0's
+  process, whose engine is the model (and, at TP = PP = 1, shares the actor's parameters);
+- with the embedded engine on several ranks (no overlap) every rank generates a slice of each
+  call: ranks other than 0 serve generation over a gloo group until the driver releases them;
+- the weight push: every rank takes part in the export (TP gather, PP collect); rank 0 sends it
+  to the servers (or its engine), a rank with an engine of its own loads its own export;
+- every wait for the driver is a wait on a store key (handoff.py), never an open collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megadiv.rollout import Bucket, make_engine, resolve_engine_name
+from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
+from megadiv.rollout.weight_sync import address_seen_by
+from megadiv.trainer.config import TrainConfig
+from megadiv.trainer.driver import DriverProcess, RolloutDriver, version_name
+from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes
+
+
+class Rollout:
+    """This rank's side of the rollout (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, info, start_dir: str, tokenizer, reserved_bytes: int):
+        """Collective (every rank, after the models are built). ``reserved_bytes``: the actor's
+        optimizer state still to be allocated, for servers launched beside it on its GPUs."""
+        self.cfg, self.info = cfg, info
+        memory = trainer_memory_for_servers(cfg.rollout, reserved_bytes)  # collective
+        group = generation_group(cfg, info.world_size)                     # collective
+        timeout_s = cfg.rollout.handoff_timeout_s
+        self.driver = self.engine = None
+        address = [None]
+        if info.rank == 0:
+            if resolve_engine_name(cfg.rollout) == "sglang":
+                # rank 0 keeps the fleet for weight pushes and the probe; the driver attaches to it
+                self.engine = make_engine(cfg.rollout, start_dir, memory)
+                attached = dataclasses.replace(cfg.rollout, server_urls=tuple(self.engine.urls), num_servers=1)
+                self.driver = DriverProcess(dataclasses.replace(cfg, rollout=attached), start_dir, info.dp_size)
+                port = self.driver.port
+            else:
+                handoff, port = Handoff.host(timeout_s)
+                self.driver = RolloutDriver(cfg, start_dir, tokenizer, handoff, info.dp_size, memory, group)
+                self.engine = self.driver.engine
+            address = [(address_seen_by(os.environ.get("MASTER_ADDR", "127.0.0.1")), port)]
+        elif group is not None:  # a rank that generates its slices of the driver's calls
+            self.engine = make_engine(cfg.rollout, start_dir, group=group)
+        self._worker = group if info.rank != 0 else None
+        dist.broadcast_object_list(address, src=0)
+        self.handoff = Handoff.connect(*address[0], timeout_s)
+        self.replica, self.replica_source = replica_group(info, cfg.parallel.timeout_s)  # collective
+        self._started, self._evaluations = 0, 0
+
+    def collect(self, step: int) -> tuple[ReplicaRows, dict]:
+        """This replica's rows of batch ``step`` and the batch's metrics (the driver's, on every
+        rank), plus handoff/bytes_received: what this rank received for them."""
+        if self.driver and self._started < step:
+            self.driver.start_batch(step)
+            self._started = step
+        self._serve()
+        metrics = from_torch_bytes(self.handoff.wait(f"batch/{step}"))
+        if self.driver and self.cfg.grpo.overlap and step < self.cfg.grpo.steps:
+            self.driver.start_batch(step + 1)  # on step - 1's weights, while the ranks train on this one
+            self._started = step + 1
+        data = self._receive(f"batch/{step}/{self.info.dp_rank}")
+        return ReplicaRows.decode(data), metrics | {"handoff/bytes_received": len(data)}
+
+    def _receive(self, key: str) -> bytes:
+        """The replica's first rank takes ``key`` from the store; the others get it from it."""
+        if self.replica is None:
+            return self.handoff.take(key)
+        box = [self.handoff.take(key) if self.info.rank == self.replica_source else None]
+        dist.broadcast_object_list(box, src=self.replica_source, group=self.replica)
+        return box[0]
+
+    def push_weights(self, actor, step: int) -> dict[str, float]:
+        """Serve the actor's weights of ``step`` on every engine: after the batch in flight, which
+        the old weights finish. Views of the parameters where the embedded engine shares them (no
+        copy, no communication), else the collective export."""
+        waited = time.perf_counter()
+        live = self.driver.quiesce(step) if self.driver else None
+        self.handoff.wait(f"push/{step}")
+        waited = time.perf_counter() - waited
+        views = actor.hf_weight_views() if shares_weights(self.cfg) else None
+        buckets = [views] if views is not None else actor.export_buckets(self.cfg.rollout.bucket_bytes)
+        if self.engine is None:
+            drain(buckets)
+            return {}
+        if live is not None:
+            self.engine.keep_only(live)  # servers the driver dropped (dead, hung) get no push
+        report = (self.engine.update_weights(buckets, version_name(step), share=True) if views is not None
+                  else self.engine.update_weights(buckets, version_name(step)))
+        if self.driver:
+            self.driver.served(step)
+        return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "time/rollout_wait": waited}
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation on the engine's current weights: the metrics on rank 0, {} elsewhere."""
+        index, self._evaluations = self._evaluations, self._evaluations + 1
+        metrics = self.driver.evaluate(index) if self.driver else {}
+        self._serve()
+        self.handoff.wait(f"eval/{index}")
+        return metrics
+
+    def _serve(self) -> None:
+        if self._worker is not None:
+            self.engine.serve(self._worker)  # until the driver releases the ranks
+
+    def state_dict(self, step: int) -> dict:
+        """The rollout side of a checkpoint after ``step`` (rank 0's counts; {} elsewhere)."""
+        return self.driver.state_dict(step) if self.driver else {}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        if self.driver:
+            self.driver.load_state_dict(state)
+        self._started = step
+
+    def close(self) -> None:
+        """Stop the driver and the engines this rank holds (an in-process driver closes its own)."""
+        if self.driver is not None:
+            self.driver.close()
+        if self.engine is not None and not isinstance(self.driver, RolloutDriver):
+            self.engine.shutdown()
+
+
+def replica_group(info, timeout_s: float):
+    """Collective: a gloo group of this data-parallel replica's TP x PP ranks and its first rank,
+    which receives the replica's rows and broadcasts them (None, rank at TP = PP = 1)."""
+    if info.tp_size * info.pp_size == 1:
+        return None, info.rank
+    replica_of = [None] * info.world_size
+    dist.all_gather_object(replica_of, info.dp_rank)
+    mine = None
+    for dp in range(info.dp_size):  # every rank makes every group, in the same order
+        ranks = [r for r in range(info.world_size) if replica_of[r] == dp]
+        group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if dp == info.dp_rank:
+            mine = (group, ranks[0])
+    return mine
+
+
+def trainer_memory_for_servers(cfg: RolloutConfig, reserved_bytes: int) -> TrainerMemory | None:
+    """Collective (every trainer rank, after its models are built): each rank's free GPU memory
+    and ``reserved_bytes`` (its optimizer state to come), for SGLang servers rank 0 launches on
+    CUDA beside the trainer (sglang_server.place_server); None when no server is launched there."""
+    launches = torch.cuda.is_available() and not cfg.server_urls and resolve_engine_name(cfg) == "sglang"
+    return gather_trainer_memory(reserved_bytes) if launches else None
+
+
+def generation_group(cfg: TrainConfig, world_size: int):
+    """Collective (every rank): a gloo group of all ranks when every rank generates (the embedded
+    engine, more than one rank, no grpo.overlap), else None. Not with overlap: rank 0 generates
+    in a thread while every rank trains, and the others cannot serve generation meanwhile. Its
+    timeout is the hand-off's: the ranks wait in it while the driver grades and evaluates."""
+    if resolve_engine_name(cfg.rollout) != "embedded" or world_size == 1 or cfg.grpo.overlap:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.rollout.handoff_timeout_s))
+
+
+def shares_weights(cfg: TrainConfig) -> bool:
+    """Whether the embedded engine takes the actor's parameters as its weights (views, no copy)
+    where the policy offers them (Policy.hf_weight_views: TP = PP = 1). Not with grpo.overlap:
+    the engine then generates while the optimizer changes the parameters."""
+    return resolve_engine_name(cfg.rollout) == "embedded" and not cfg.grpo.overlap
+
+
+def drain(buckets: Iterable[Bucket]) -> None:
+    """Take part in a collective weight export without sending anything."""
+    for _ in buckets:
+        pass
