@@ -158,6 +158,15 @@ class Handoff:
         self.store.delete_key(key)
         return value
 
+    def receive(self, key: str, replica, source: int) -> bytes:
+        """A replica's payload ``key``: its first rank ``source`` takes it from the store and
+        broadcasts it over the replica's gloo group (``replica``; None: a replica of one rank)."""
+        if replica is None:
+            return self.take(key)
+        box = [self.take(key) if dist.get_rank() == source else None]
+        dist.broadcast_object_list(box, src=source, group=replica)
+        return box[0]
+
 
 def torch_bytes(obj) -> bytes:
     buffer = io.BytesIO()
@@ -167,3 +176,19 @@ def torch_bytes(obj) -> bytes:
 
 def from_torch_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def replica_group(info, timeout_s: float):
+    """Collective: a gloo group of this data-parallel replica's TP x PP ranks and its first rank,
+    which receives the replica's rows and broadcasts them (None, rank at TP = PP = 1)."""
+    if info.tp_size * info.pp_size == 1:
+        return None, info.rank
+    replica_of = [None] * info.world_size
+    dist.all_gather_object(replica_of, info.dp_rank)
+    mine = None
+    for dp in range(info.dp_size):  # every rank makes every group, in the same order
+        ranks = [r for r in range(info.world_size) if replica_of[r] == dp]
+        group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if dp == info.dp_rank:
+            mine = (group, ranks[0])
+    return mine

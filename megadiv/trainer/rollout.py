@@ -34,7 +34,7 @@ from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
 from megadiv.rollout.weight_sync import address_seen_by
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.driver import DriverProcess, RolloutDriver, version_name
-from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes
+from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes, replica_group
 
 
 class Rollout:
@@ -80,16 +80,8 @@ class Rollout:
         if self.driver and self.cfg.grpo.overlap and step < self.cfg.grpo.steps:
             self.driver.start_batch(step + 1)  # on step - 1's weights, while the ranks train on this one
             self._started = step + 1
-        data = self._receive(f"batch/{step}/{self.info.dp_rank}")
+        data = self.handoff.receive(f"batch/{step}/{self.info.dp_rank}", self.replica, self.replica_source)
         return ReplicaRows.decode(data), metrics | {"handoff/bytes_received": len(data)}
-
-    def _receive(self, key: str) -> bytes:
-        """The replica's first rank takes ``key`` from the store; the others get it from it."""
-        if self.replica is None:
-            return self.handoff.take(key)
-        box = [self.handoff.take(key) if self.info.rank == self.replica_source else None]
-        dist.broadcast_object_list(box, src=self.replica_source, group=self.replica)
-        return box[0]
 
     def push_weights(self, actor, step: int) -> dict[str, float]:
         """Serve the actor's weights of ``step`` on every engine: after the batch in flight, which
@@ -139,22 +131,6 @@ class Rollout:
             self.driver.close()
         if self.engine is not None and not isinstance(self.driver, RolloutDriver):
             self.engine.shutdown()
-
-
-def replica_group(info, timeout_s: float):
-    """Collective: a gloo group of this data-parallel replica's TP x PP ranks and its first rank,
-    which receives the replica's rows and broadcasts them (None, rank at TP = PP = 1)."""
-    if info.tp_size * info.pp_size == 1:
-        return None, info.rank
-    replica_of = [None] * info.world_size
-    dist.all_gather_object(replica_of, info.dp_rank)
-    mine = None
-    for dp in range(info.dp_size):  # every rank makes every group, in the same order
-        ranks = [r for r in range(info.world_size) if replica_of[r] == dp]
-        group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        if dp == info.dp_rank:
-            mine = (group, ranks[0])
-    return mine
 
 
 def trainer_memory_for_servers(cfg: RolloutConfig, reserved_bytes: int) -> TrainerMemory | None:
