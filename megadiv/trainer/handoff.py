@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import datetime
 import io
+import json
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -70,13 +72,24 @@ class ReplicaRows:
         return training_rows(prompts, responses, values, self.advantages, self.in_loss, pad_id)
 
     def encode(self) -> bytes:
-        buffer = io.BytesIO()
-        torch.save({f.name: getattr(self, f.name) for f in fields(self)}, buffer)
-        return buffer.getvalue()
+        """A JSON header (each field's dtype and shape), then the fields' raw bytes: the payload is
+        the tensors' own size, and decoding runs no code."""
+        tensors = [getattr(self, f.name).contiguous() for f in fields(self)]
+        header = json.dumps([[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]).encode()
+        return b"".join([len(header).to_bytes(4, "little"), header,
+                         *(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)])
 
     @classmethod
     def decode(cls, data: bytes) -> "ReplicaRows":
-        return cls(**torch.load(io.BytesIO(data), weights_only=True))  # tensors only: nothing executes
+        size = int.from_bytes(data[:4], "little")
+        offset, values = 4 + size, []
+        for dtype, shape in json.loads(data[4:offset]):
+            dtype = getattr(torch, dtype)
+            nbytes = math.prod(shape) * dtype.itemsize
+            flat = torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=torch.uint8)
+            values.append(flat.view(dtype).reshape(shape))
+            offset += nbytes
+        return cls(*values)
 
 
 def assign_rows(lengths: list[int], dp_size: int, mini_batches: int) -> list[list[int]]:
