@@ -23,6 +23,7 @@ from megadiv.models.tiny import make_tiny_model
 from megadiv.rollout import RolloutError
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.driver import RolloutDriver
+from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes
 from tests.test_trainer import hf_weights, megadiv_train, step_records
 from tests.torchrun import run_torchrun
 
@@ -41,6 +42,11 @@ DEMO = ["model.hidden_size=128", "model.ffn_hidden_size=512", "warm_start.sft_st
 STEPS = 40
 
 
+def _take(handoff: Handoff, step: int) -> tuple[ReplicaRows, dict]:
+    metrics = from_torch_bytes(handoff.wait(f"batch/{step}"))
+    return ReplicaRows.decode(handoff.take(f"batch/{step}/0")), metrics
+
+
 def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versions(tmp_path):
     from transformers import AutoTokenizer
 
@@ -51,26 +57,34 @@ def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versio
         "grpo.prompts_per_step=2", "rollout.n_samples=2", "advantage.group_size=2", "grpo.micro_batch_size=2",
         *OVERLAP])
     tokenizer = AutoTokenizer.from_pretrained(model)
-    driver, restored = RolloutDriver(cfg, str(model), tokenizer), RolloutDriver(cfg, str(model), tokenizer)
+    (store, port), (store2, port2) = Handoff.host(60), Handoff.host(60)
+    driver, restored = RolloutDriver(cfg, str(model), tokenizer, store, 1), \
+        RolloutDriver(cfg, str(model), tokenizer, store2, 1)
+    # the ranks' side: clients of their own (a store's one connection is held by a wait)
+    handoff, handoff2 = Handoff.connect("127.0.0.1", port, 60), Handoff.connect("127.0.0.1", port2, 60)
     try:
-        first = driver.collect(1)
-        assert first.policy_version == 0 and first.metrics["rollout/staleness"] == 0
-        driver.collect_ahead(2)                                   # on the starting weights, in the background
+        driver.start_batch(1)
+        first, metrics = _take(handoff, 1)
+        assert int(first.policy_version) == 0 and metrics["rollout/staleness"] == 0
+        driver.start_batch(2)                                     # on the starting weights, in the background
         moved = [(n, p.detach() + 0.5) for n, p in driver.engine.model.named_parameters(remove_duplicate=False)]
-        driver.push_weights([moved], 1)                           # waits for batch 2 before loading step 1's weights
+        driver.quiesce(1)                                         # waits for batch 2 before step 1's weights load
+        driver.engine.update_weights([moved], "step-1")
+        driver.served(1)
         assert driver.engine.weight_version == "step-1"
-        torch.save(driver.state_dict(), tmp_path / "state.pt")    # as a checkpoint keeps it
+        torch.save(driver.state_dict(1), tmp_path / "state.pt")   # as a checkpoint keeps it
         state = torch.load(tmp_path / "state.pt", weights_only=True)
         assert state["batch_ahead"]["policy_version"] == 0
-        second = driver.collect(2)
-        assert second.metrics["rollout/staleness"] == 1 and "time/rollout" in second.metrics
+        second, metrics = _take(handoff, 2)
+        assert metrics["rollout/staleness"] == 1 and "time/rollout" in metrics
         restored.load_state_dict(state)                           # a resumed run trains on the very same batch
-        again = restored.collect(2)
-        assert again.responses == second.responses and torch.equal(again.rewards, second.rewards)
+        restored.start_batch(2)
+        again, _ = _take(handoff2, 2)
+        assert torch.equal(again.tokens, second.tokens) and torch.equal(again.rewards, second.rewards)
         assert restored.sampler.state_dict() == driver.sampler.state_dict()
-        driver.collect_ahead(4)                                   # generated on step 1's weights, trained at step 4
+        driver.start_batch(4)                                     # generated on step 1's weights, trained at step 4
         with pytest.raises(RolloutError, match="2 versions behind"):
-            driver.collect(4)
+            handoff.wait("batch/4")                               # every waiting rank gets the driver's error
     finally:
         driver.close()
         restored.close()

@@ -121,7 +121,9 @@ class Handoff:
 
     @classmethod
     def host(cls, timeout_s: float) -> tuple["Handoff", int]:
-        """A store served by this process (the driver's); returns it and its port."""
+        """A store served by this process (the driver's), for the driver's writes; returns it and
+        its port. Waits go through a client of their own (``connect``, rank 0's too): a wait holds
+        its store's one connection, and a write from another thread would queue behind it."""
         store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         return cls(store, timeout_s), store.port
