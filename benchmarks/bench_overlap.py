@@ -24,7 +24,7 @@ one core the rank uses are shared, so on CPU that row shows the semantics' cost,
 ``--probe``: in one process, the trainer's policy (1 rank, TP=1) and the rollout driver with a
 launched SGLang server, on the same shape; trials interleaved ``--repeats`` times (median): the
 training phase (one update) alone and while the driver generates the next batch beside it
-(``collect_ahead``, as the overlapped loop does), each also with a pi_old forward pass of its own
+(``start_batch``, as the overlapped loop does), each also with a pi_old forward pass of its own
 (what the overlapped step paid before it used the training forward's log-probs), and the
 generation alone and beside training; wall seconds and the training thread's CPU seconds (CPU
 time is insensitive to other jobs' load: it rises only with cache or memory-bandwidth
@@ -126,6 +126,7 @@ def probe(args: argparse.Namespace, tmp: Path) -> None:
     from megadiv.trainer.backend import make_policy
     from megadiv.trainer.config import TrainConfig
     from megadiv.trainer.driver import RolloutDriver
+    from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes
     from megadiv.trainer.warm_start import starting_checkpoint
 
     cfg = load_config(TrainConfig, CONFIG, shape_overrides(args) + engine_overrides("sglang") + [
@@ -134,11 +135,23 @@ def probe(args: argparse.Namespace, tmp: Path) -> None:
     start_dir = starting_checkpoint(cfg, tmp / "probe", info)
     actor = make_policy(cfg, ModelConfig(**{**to_dict(cfg.model), "hf_dir": start_dir}), "actor", cfg.optim, 1000)
     tokenizer = AutoTokenizer.from_pretrained(start_dir)
-    driver = RolloutDriver(cfg, start_dir, tokenizer)
+    store, port = Handoff.host(cfg.rollout.handoff_timeout_s)
+    driver = RolloutDriver(cfg, start_dir, tokenizer, store, dp_size=1)
+    handoff = Handoff.connect("127.0.0.1", port, cfg.rollout.handoff_timeout_s)  # the rank's side
+
+    def collect() -> tuple[ReplicaRows, dict]:
+        """Batch 1 again (started with driver.start_batch(1)): its rows and metrics."""
+        metrics = from_torch_bytes(handoff.wait("batch/1"))
+        rows = ReplicaRows.decode(handoff.take("batch/1/0"))
+        handoff.store.delete_key("batch/1/status")  # the next start_batch(1) publishes it anew
+        return rows, metrics
+
     objective, mbs = grpo_objective(cfg.loss), cfg.grpo.micro_batch_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = driver.collect(1).to_batch(pad_id)
-    server = [psutil.Process(driver.engine.server.proc.pid)]
+    driver.start_batch(1)
+    batch = collect()[0].to_batch(pad_id)
+    (member,) = driver.engine.members.values()
+    server = [psutil.Process(member.server.proc.pid)]
     server += server[0].children(recursive=True)
     everything = set(os.sched_getaffinity(0))
 
@@ -160,14 +173,15 @@ def probe(args: argparse.Namespace, tmp: Path) -> None:
         for pinned in (False, True) if args.pin else (False,):
             pin(pinned)
             where = " (pinned)" if pinned else ""
-            gen = driver.collect(1).metrics["time/rollout"]
+            driver.start_batch(1)
+            gen = collect()[1]["time/rollout"]
             results.setdefault(f"generation alone{where}", []).append((gen,))
             for own_forward in (False, True):
                 what = "train + own pi_old forward" if own_forward else "train (one update)"
                 results.setdefault(f"{what} alone{where}", []).append(train(own_forward))
-                driver.collect_ahead(1)   # generate batch 1 again, beside training, as collect_ahead does
+                driver.start_batch(1)   # generate batch 1 again, beside training, as the overlapped loop does
                 wall_cpu = train(own_forward)
-                beside = driver.collect(1).metrics["time/rollout"]
+                beside = collect()[1]["time/rollout"]
                 results.setdefault(f"{what} beside generation{where}", []).append(wall_cpu)
                 results.setdefault(f"generation beside training{where}", []).append((beside,))
             threading.Event().wait(0.5)
