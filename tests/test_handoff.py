@@ -106,3 +106,19 @@ def test_a_slow_rollout_outlives_the_collective_timeout_and_a_hang_does_not():
         assert r["value"] == b"payload" and r["waited_s"] >= 12 - 1  # 4 x parallel.timeout_s, waited out
     assert rank1["hang"] != "not caught" and rank1["hang_s"] < 60, rank1  # gloo: at parallel.timeout_s = 3 s
     assert "never/written" in rank1["missing"] and "handoff_timeout_s" in rank1["missing"]
+
+
+@pytest.mark.slow
+def test_bench_handoff_reports_the_ratios():
+    """benchmarks/bench_handoff.py runs (4 gloo ranks, a small batch) and prints each ratio."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/bench_handoff.py", "--prompts", "8", "--samples", "4",
+                          "--layouts", "dp4", "--timeout-s", "300"], capture_output=True, text=True, timeout=400,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("dp4:"))
+    fewer = float(re.search(r"\(([\d.]+)x fewer\)", line).group(1))
+    assert fewer > 3, line  # a DP=4 rank receives about a quarter of a packed batch smaller than the pickle

@@ -31,6 +31,8 @@ from megadiv.trainer.experience import Experience, training_rows
 
 OK = b"ok"
 ERROR = b"error: "
+CHUNK_BYTES = 4 << 20
+"""A payload is stored in pieces of at most this size: TCPStore refuses a value over 8 MiB."""
 
 
 @dataclass
@@ -140,7 +142,7 @@ class Handoff:
         """Batch ``step``: one payload per replica, its metrics, then the status key."""
         lengths = [len(p) + len(r) for p, r in zip(exp.prompts, exp.responses)]
         for dp, rows in enumerate(assign_rows(lengths, dp_size, mini_batches)):
-            self.store.set(f"batch/{step}/{dp}", ReplicaRows.from_experience(exp, rows).encode())
+            self.put(f"batch/{step}/{dp}", ReplicaRows.from_experience(exp, rows).encode())
         self.publish(f"batch/{step}", torch_bytes(exp.metrics))
 
     def publish(self, key: str, value: bytes = OK) -> None:
@@ -167,11 +169,20 @@ class Handoff:
             raise RolloutError(f"rollout driver: {status[len(ERROR):].decode(errors='replace')}")
         return self.store.get(f"{key}/value")
 
+    def put(self, key: str, data: bytes) -> None:
+        """Store a payload of any size, in pieces of CHUNK_BYTES (the count under ``key``)."""
+        pieces = range(0, len(data), CHUNK_BYTES)
+        for i, start in enumerate(pieces):
+            self.store.set(f"{key}/{i}", data[start:start + CHUNK_BYTES])
+        self.store.set(key, str(len(pieces)))
+
     def take(self, key: str) -> bytes:
         """Read and delete a payload (the driver's store keeps nothing once it is taken)."""
-        value = self.store.get(key)
-        self.store.delete_key(key)
-        return value
+        count = int(self.store.get(key))
+        data = b"".join(self.store.get(f"{key}/{i}") for i in range(count))
+        for name in [key] + [f"{key}/{i}" for i in range(count)]:
+            self.store.delete_key(name)
+        return data
 
     def receive(self, key: str, replica, source: int) -> bytes:
         """A replica's payload ``key``: its first rank ``source`` takes it from the store and
