@@ -171,6 +171,12 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         recompute_granularity=None if cfg.recompute_granularity == "none" else cfg.recompute_granularity,
         recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
         batch_p2p_sync=cuda,  # True calls torch.cuda.synchronize() around p2p
+        # Two stages interleaved: each rank's previous and next stage are the same rank, and in one
+        # batch_isend_irecv the activation and the gradient it sends that rank are matched with the
+        # peer's receives in posting order, which megatron posts the other way round (observed
+        # under gloo: a chunk trained on the other message). Unbatched, megatron sends one
+        # direction over a second group for exactly this case (p2p_communication._p2p_ops).
+        batch_p2p_comm=not (vpp and pp == 2),
     )
     if cfg.fp8 != "none":
         from megadiv.models.fp8 import check_fp8_here
