@@ -21,7 +21,7 @@ Items (docs/performance.md, "GPU verification", says what each measures):
                      parameters: training step time and MFU = 6 N tokens / time / 989 TFLOP/s
   grpo_demo          3 GRPO steps of the tiny demo (examples/tiny/grpo.yaml, TP=1) on the GPU
                      with the embedded engine, through ``megadiv train``
-  deepspeed_bf16     the DeepSpeed policy in bf16 at ZeRO-0 and ZeRO-3, three Adam steps each of
+  deepspeed_bf16     the DeepSpeed policy in bf16 at ZeRO-0, 1 and 3, three Adam steps each of
                      the same batch and GRPO loss (tests/dist/deepspeed_policy.py:bf16_stages)
   padding_invariance one SGD step with the model input padded to a multiple of 16 (FP8's rule)
                      against none, megatron's local layers (tests/dist/device_placement.py)
@@ -410,17 +410,22 @@ def _rank_body(work: Path, target: str, args: dict) -> dict:
 
 
 def item_deepspeed_bf16(work: Path, smoke: bool) -> dict:
-    """DeepSpeed bf16 at ZeRO-0 and ZeRO-3 (tests/test_deepspeed_policy.py runs the same body on a
-    CPU against float32): each step applied and finite, weights bf16 on the device, per-step
-    figures, and how far ZeRO-3 lies from ZeRO-0 (at ZeRO-0 DeepSpeed keeps no fp32 master
-    weights in bf16, docs/deepspeed.md, so after the first step they part)."""
+    """DeepSpeed bf16 at ZeRO-0, 1 and 3 (tests/test_deepspeed_policy.py runs the same body on a
+    CPU against float32): each step applied and finite, weights bf16 on the device, gradients
+    accumulated in fp32 at ZeRO >= 1 (megadiv's data_types.grad_accum_dtype), per-step figures,
+    and how far ZeRO-3 lies from ZeRO-0. Every stage keeps fp32 master weights (ZeRO-0 in
+    DeepSpeed's FP16_UnfusedOptimizer); ZeRO-0 keeps bf16 gradients, as DeepSpeed refuses fp32
+    accumulation there (docs/deepspeed.md), so after the first step they part."""
     res = _rank_body(work, "tests.dist.deepspeed_policy:bf16_stages", {"hf_dir": _tiny_model(work)})
     figures, problems = {}, []
     for stage, run in res.items():
         steps = run["steps"]
         figures[f"zero{stage}"] = {"device": run["device"], "dtypes": run["dtypes"], "wall_s": run["wall_s"],
                                    "loss": [s["loss/total"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
-                                   "skipped": [s["skipped"] for s in steps]}
+                                   "skipped": [s["skipped"] for s in steps], "optimizer": run["optimizer"],
+                                   "grad_accum_dtype": run["grad_accum_dtype"]}
+        if stage and run["grad_accum_dtype"] != "torch.float32":
+            problems.append(f"ZeRO-{stage}: gradients accumulate in {run['grad_accum_dtype']}, not float32")
         if run["dtypes"] != ["torch.bfloat16"] or run["device"].split(":")[0] != device().type:
             problems.append(f"ZeRO-{stage}: weights {run['dtypes']} on {run['device']}")
         if any(s["skipped"] or s["loss/total"] != s["loss/total"] or s["grad_norm"] != s["grad_norm"] for s in steps):
