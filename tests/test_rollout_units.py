@@ -100,14 +100,16 @@ def test_manifest_and_bucket_check(tmp_path):
         check_bucket([("model.embed_tokens.weight", torch.ones(4, 10))], manifest, "bucket 0")
 
 
-def test_cpu_server_command_and_environment(tmp_path):
+def test_cpu_server_command_and_environment(tmp_path, monkeypatch):
     cfg = RolloutConfig(engine="sglang", server_args=("--max-running-requests", "8"))
     cmd = launch_command("/ckpt", 31234, cfg, None)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31234" in cmd
     for flag in ("--device", "--attention-backend", "--sampling-backend", "--skip-server-warmup", "--sleep-on-idle"):
         assert flag in cmd
     assert cmd[-2:] == ["--max-running-requests", "8"]
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")      # the trainer's TP overlap setting: not the server's
     env = child_env(cuda=False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env and "CUDA_DEVICE_MAX_CONNECTIONS" not in child_env(cuda=True)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
     assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
 

@@ -215,12 +215,15 @@ def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, gpu: GpuPlacement
     return cmd + list(cfg.server_args)
 
 
-# torchrun's variables: a server started by a trainer rank must not join the trainer's rendezvous
+# torchrun's variables (and the trainer's CUDA_DEVICE_MAX_CONNECTIONS): a server started by a trainer rank
+# must not join the trainer's rendezvous
 # (SGLang initialises torch.distributed from the environment and would wait for the trainer's ranks).
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                      # the trainer's TP overlap setting (cli/train.py): it would serialise the server's streams
+                      "CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 def child_env(cuda: bool, shares_trainer_gpus: bool = False) -> dict[str, str]:
