@@ -176,6 +176,34 @@ def test_server_python_runs_launched_servers_and_is_checked(tmp_path, monkeypatc
         preflight._check_rollout(train_cfg(engine="sglang", server_urls=("http://a:1",), sync_method="tensor"))
 
 
+def test_distributed_sync_refuses_two_nccl_versions(tmp_path, monkeypatch):
+    """On a GPU machine whose server Python is another environment (the container's /opt/sglang),
+    preflight compares the NCCL both load (a faked device query here) and refuses a mismatch in one
+    line before any rank starts: NCCL would refuse the broadcast group ("Mismatched NCCL version")."""
+    from megadiv.cli import preflight
+    from megadiv.config import ModelConfig
+    from megadiv.rollout import sglang_server
+    from megadiv.trainer.config import TrainConfig, WarmStartConfig
+
+    other = tmp_path / "sglang-python"          # another interpreter path that finds sglang
+    other.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    other.chmod(0o755)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    versions = {sys.executable: "2.28.9", str(other): "2.29.2"}
+    monkeypatch.setattr(sglang_server, "nccl_version", lambda python: versions[python])
+
+    def check(**rollout):
+        preflight._check_rollout(TrainConfig(model=ModelConfig(hf_dir=str(tmp_path / "m")),
+                                             warm_start=WarmStartConfig(make_model="qwen2"),
+                                             rollout=RolloutConfig(engine="sglang", server_python=str(other), **rollout)))
+    with pytest.raises(ConfigError, match=r"trainer \(NCCL 2.28.9\) and servers run by .* \(NCCL 2.29.2\), which NCCL "
+                                          r"refuses: use sync_method 'disk'"):
+        check()
+    check(sync_method="disk")                    # no NCCL group between them
+    versions[str(other)] = "2.28.9"
+    check(sync_method="distributed")
+
+
 def test_tensor_sync_without_sglang_fails_in_one_line(monkeypatch):
     """'auto' picks 'tensor' for a server on the trainer's GPUs: without sglang in the trainer's
     Python its ImportError used to escape update_weights; now one WeightSyncError says what to set."""

@@ -44,12 +44,26 @@ def _check_rollout(cfg: TrainConfig) -> None:
     given); 'tensor' sync pickles CUDA-IPC handles with sglang's own reductions, so the trainer's
     Python must find it too."""
     import importlib.util
+    import sys
 
-    from megadiv.rollout.sglang_server import check_server_python
+    import torch
+
+    from megadiv.rollout.sglang_server import check_server_python, finds_sglang, nccl_version, server_python
 
     r = cfg.rollout
     if not r.server_urls and (r.engine == "sglang" or r.server_python is not None):
         check_server_python(r)
+    # NCCL refuses a communicator whose ranks run different versions, at the first broadcast: a
+    # server Python other than ours (the container's /opt/sglang; attached servers are assumed to
+    # run it too) must load our NCCL
+    python = server_python(r)
+    if (torch.cuda.is_available() and r.engine != "embedded" and r.sync_method in ("auto", "distributed")
+            and python != sys.executable and finds_sglang(python)):
+        ours, theirs = nccl_version(sys.executable), nccl_version(python)
+        if ours != theirs:
+            raise ConfigError(f"rollout.sync_method {r.sync_method!r} broadcasts over NCCL between the trainer (NCCL "
+                              f"{ours}) and servers run by {python} (NCCL {theirs}), which NCCL refuses: use "
+                              f"sync_method 'disk', or one NCCL for both (docker/Dockerfile preloads the image's)")
     if r.sync_method == "tensor" and importlib.util.find_spec("sglang") is None:
         raise ConfigError("rollout.sync_method 'tensor' needs sglang in the trainer's Python (its CUDA-IPC tensor "
                           "reductions), which has none (the container keeps it in /opt/sglang): use 'distributed' or "

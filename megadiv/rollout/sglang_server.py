@@ -199,6 +199,17 @@ def check_server_python(cfg: RolloutConfig) -> None:
                           f"the container: {CONTAINER_SGLANG_PYTHON})")
 
 
+def nccl_version(python: str) -> str:
+    """The NCCL that torch loads under ``python`` ("2.28.9"), or why none could be read."""
+    code = "import torch; print('.'.join(map(str, torch.cuda.nccl.version())))"
+    if python == sys.executable:
+        import torch
+
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    return proc.stdout.strip() if proc.returncode == 0 else f"unreadable ({proc.stderr.strip()[-200:]})"
+
+
 def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, gpu: GpuPlacement | None) -> list[str]:
     """The ``sglang.launch_server`` command line for ``hf_dir`` on 127.0.0.1:``port``, on the GPUs
     of ``gpu`` (None: a CPU server), run by :func:`server_python`. ``rollout.server_args`` come
