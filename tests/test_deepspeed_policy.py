@@ -139,6 +139,22 @@ def test_deepspeed_keys_need_the_deepspeed_backend(tiny_model):
         load_config(TrainConfig, None, [f"model.hf_dir={tiny_model}", "deepspeed.zero_stage=2"])
 
 
+def test_bf16_accumulates_gradients_in_fp32_from_zero1():
+    """data_types.grad_accum_dtype: fp32 for bf16 at ZeRO >= 1 (DeepSpeed would accumulate in bf16),
+    nothing at ZeRO-0 (DeepSpeed refuses bf16 weights with fp32 accumulation there) or in fp32; the
+    key is megadiv's, so a raw deepspeed.config cannot ask ZeRO-0 for the mix it refuses."""
+    from megadiv.config import ModelConfig, OptimConfig
+    from megadiv.policy.deepspeed_config import DeepSpeedConfig, engine_config
+
+    for dtype in ("bfloat16", "float32"):
+        for stage in range(4):
+            ds = engine_config(DeepSpeedConfig(zero_stage=stage), ModelConfig(params_dtype=dtype), OptimConfig())
+            expected = {"grad_accum_dtype": "fp32"} if dtype == "bfloat16" and stage else None
+            assert ds.get("data_types") == expected, (dtype, stage)
+    with pytest.raises(ConfigError, match="deepspeed.config.data_types is set by megadiv"):
+        DeepSpeedConfig(config={"data_types": {"grad_accum_dtype": "fp32"}})
+
+
 def test_accepted_deepspeed_config(tiny_model):
     from megadiv.policy.deepspeed_config import engine_config
 
@@ -158,18 +174,22 @@ def bf16(tiny_model):
     return out
 
 
-@pytest.mark.slow   # a one-rank launch that builds four DeepSpeed engines: about a minute on 2 cores
-def test_bf16_zero0_and_zero3_follow_float32(bf16, parity):
-    """DeepSpeed's bf16 engine at ZeRO-0 and ZeRO-3 (the GPU path; the GPU check's deepspeed_bf16
+@pytest.mark.slow   # a one-rank launch that builds six DeepSpeed engines: about a minute on 2 cores
+def test_bf16_zero0_1_and_3_follow_float32(bf16, parity):
+    """DeepSpeed's bf16 engine at ZeRO-0, 1 and 3 (the GPU path; the GPU check's deepspeed_bf16
     item runs the same body on a GPU), against the float32 ZeRO-0 run of the same three Adam steps.
-    Observed (2026-12-02): first step's loss identical, grad norm 1.2e-4 (ZeRO-0) and 7e-5 (ZeRO-3)
-    relative from float32; after it ZeRO-3 stays within 1.3e-3 (loss) and 1.0e-2 (grad norm) while
-    ZeRO-0 departs by 2.1% and 14-41%: at ZeRO-0 DeepSpeed 0.19.8 trains bf16 without fp32 master
-    weights (engine._do_optimizer_sanity_check -> DDP_BFLOAT16: bf16 gradients, torch's AdamW on the
-    bf16 parameters; fp32 gradient accumulation is refused there), ZeRO-1/2/3 keep an fp32 master
-    copy (docs/deepspeed.md). Weights after three steps: 6.6e-3 from float32 at both stages."""
+    Every stage keeps fp32 master weights: ZeRO-0 in DeepSpeed's FP16_UnfusedOptimizer (its
+    DDP_BFLOAT16 mode), ZeRO-1 in BF16_Optimizer, ZeRO-2/3 in the ZeRO optimizers' fp32 partitions.
+    What differs is the gradient: megadiv asks for fp32 accumulation (data_types.grad_accum_dtype)
+    at ZeRO >= 1, while ZeRO-0 refuses that mix and keeps bf16 gradients. Observed (2026-12-03):
+    first step's loss identical, grad norm within 1.2e-4 relative of float32; after it ZeRO-1 and
+    ZeRO-3 stay within 1.3e-3 (loss) and 1.0e-2 (grad norm) while ZeRO-0 departs by 2.1% and
+    14-41%. Weights after three steps: 6.6e-3 from float32 at each stage."""
     ref = parity["zero0"]["adam"]
-    for stage in (0, 3):
+    assert {s: (bf16[s]["optimizer"], bf16[s]["grad_accum_dtype"]) for s in (0, 1, 3)} == {
+        0: ("FP16_UnfusedOptimizer", "torch.bfloat16"), 1: ("BF16_Optimizer", "torch.float32"),
+        3: ("DeepSpeedZeroOptimizer_Stage3", "torch.float32")}
+    for stage in (0, 1, 3):
         run = bf16[stage]
         assert run["dtypes"] == ["torch.bfloat16"], stage
         first, first_ref = run["steps"][0], ref["steps"][0]
@@ -178,7 +198,7 @@ def test_bf16_zero0_and_zero3_follow_float32(bf16, parity):
         for i, (s, s_ref) in enumerate(zip(run["steps"], ref["steps"], strict=True)):
             assert s["skipped"] == 0.0 and all(s[k] == s[k] for k in KEYS), (stage, i)      # applied, no NaN
             assert s["loss/total"] == pytest.approx(s_ref["loss/total"], rel=5e-2 if stage == 0 else 5e-3), (stage, i)
-            if stage == 3:
-                assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=3e-2), i
+            if stage:
+                assert s["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=3e-2), (stage, i)
         for k, w in run["weights"].items():
             torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=1.5e-2, msg=lambda m, k=k, s=stage: f"ZeRO-{s} {k}: {m}")

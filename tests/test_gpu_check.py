@@ -168,8 +168,10 @@ def test_smoke_runs_the_items_code_on_cpu(tmp_path):
     assert len(step["samples"]["step_s"]) == 3 and step["figures"]["mfu"] > 0
     deepspeed, padding = report["items"]["deepspeed_bf16"], report["items"]["padding_invariance"]
     assert deepspeed["status"] == padding["status"] == "passed"
-    for stage in ("zero0", "zero3"):
+    for stage in ("zero0", "zero1", "zero3"):
         assert deepspeed["figures"][stage]["dtypes"] == ["torch.bfloat16"] and len(deepspeed["figures"][stage]["loss"]) == 3
+    assert [deepspeed["figures"][s]["grad_accum_dtype"] for s in ("zero0", "zero1", "zero3")] == \
+        ["torch.bfloat16", "torch.float32", "torch.float32"]
     assert deepspeed["figures"]["first_step_loss_zero3_minus_zero0"] == 0.0
     assert padding["figures"]["logp_max_abs_diff"] <= 1e-6 and padding["figures"]["multiple"] == 16
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,80 @@ def test_lock_reader_and_docker_parser_catch_drift(tmp_path):
     lock.write_text("torch==2.14.1  # note\nnumpy>=1.26,<3\n\n")
     reqs = read_lock(lock)
     assert pinned_version(reqs["torch"]) == Version("2.14.1") and pinned_version(reqs["numpy"]) is None
+
+
+NGC_CONSTRAINTS = REPO / "tests" / "fixtures" / "ngc-25.12-constraint.txt"   # its source is named inside
+
+
+def _pip_steps(tmp_path: Path) -> list[tuple[str, list[Path]]]:
+    """Each ``pip install -r`` of the Dockerfile's RUN steps: (the command, its requirement files),
+    the files made by running the step's own ``grep ... requirements-gpu.txt > /tmp/X`` commands
+    on the lock (their /tmp moved to ``tmp_path``)."""
+    import subprocess
+
+    run = " && ".join(a for w, a in dockerfile_instructions(DOCKERFILE.read_text()) if w == "RUN")
+    commands = [c.strip() for c in run.split(" && ")]
+    for c in commands:
+        if c.startswith("grep") and "requirements-gpu.txt" in c:
+            subprocess.run(["bash", "-c", c.replace("/tmp/", f"{tmp_path}/")], cwd=REPO, check=True, timeout=30)
+    steps = []
+    for c in commands:
+        if "pip install" in c and " -r " in c:
+            files = [tmp_path / Path(f).name for f in re.findall(r"-r (\S+)", c)]
+            steps.append((c, files))
+    return steps
+
+
+def test_dockerfile_pip_steps_resolve_under_the_base_images_constraints(tmp_path):
+    """NGC's PIP_CONSTRAINT=/etc/pip/constraint.txt holds for every pip in the image, a venv's
+    included. The same check the build runs (docker/check_constraints.py) on the same requirement
+    files: the trainer's step leaves the image's torch/TE/apex lines out and passes; SGLang's venv
+    step pins the lock's torch, which the image's constraint refuses, so it must clear
+    PIP_CONSTRAINT. Then: one NCCL in both environments (the build compares them), and TF32
+    override off."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_constraints", REPO / "docker" / "check_constraints.py")
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    keep = tmp_path / "keep.txt"          # what step 1's `pip list | grep` keeps, at the fixture's torch
+    keep.write_text("torch==2.10.0a0+b4e4ee81d3\ntransformer_engine==2.10.0\napex==0.1\n")
+    steps = _pip_steps(tmp_path)
+    assert [files[0].name for _, files in steps] == ["trainer.txt", "sglang.txt"]
+    for command, files in steps:
+        reqs = [r for f in files for r in cc.requirements(f)]
+        assert reqs, command
+        found = cc.conflicts(reqs, [NGC_CONSTRAINTS, keep])
+        if command.startswith("PIP_CONSTRAINT= "):
+            assert found, f"{command}: clears the image's constraints without needing to"
+        else:
+            assert not found, f"{command}: {found}"
+    assert any("torch==2.14.1 vs torch==2.10.0a0+b4e4ee81d3" in c
+               for c in cc.conflicts(cc.requirements(tmp_path / "sglang.txt"), [NGC_CONSTRAINTS]))
+    trainer = {canonicalize_name(r.name) for r in cc.requirements(tmp_path / "trainer.txt")}
+    assert not trainer & {"torch", "transformer-engine", "sglang"}
+    # the build's own check runs before step 1's install, on the image's constraints and the kept versions
+    text = DOCKERFILE.read_text()
+    assert "python docker/check_constraints.py /tmp/trainer.txt ${PIP_CONSTRAINT:-/etc/pip/constraint.txt} " \
+           "/tmp/keep.txt" in text
+    assert text.index("check_constraints.py /tmp/trainer.txt") < text.index("pip install --no-cache-dir -c /tmp/keep.txt")
+    # NCCL: the venv preloads the image's libnccl.so.2, and the build fails unless both report one version
+    assert "megadiv_image_nccl.pth" in text and "ctypes.RTLD_GLOBAL" in text
+    assert text.count("print(torch.cuda.nccl.version())") == 2 and "cmp -s /tmp/nccl.trainer /tmp/nccl.sglang" in text
+    assert "ENV TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0" in text
+
+
+def test_constraint_check_names_each_conflict(tmp_path):
+    from subprocess import run
+
+    reqs, constraints = tmp_path / "r.txt", tmp_path / "c.txt"
+    reqs.write_text("numpy>=1.26,<2  # why\ntorch==2.14.1\nrequests>=2\n")
+    constraints.write_text("# header\nnumpy==2.1.0\ntorch==2.10.0a0+b4e4ee81d3\nrequests==2.32.3\n")
+    proc = run([sys.executable, str(REPO / "docker" / "check_constraints.py"), str(reqs), str(constraints),
+                str(tmp_path / "absent.txt")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"numpy<2,>=1.26 vs numpy==2.1.0 ({constraints}:2)" in proc.stderr
+    assert "torch==2.14.1 vs torch==2.10.0a0+b4e4ee81d3" in proc.stderr and "requests" not in proc.stderr
+    ok = run([sys.executable, str(REPO / "docker" / "check_constraints.py"), str(reqs), str(tmp_path / "absent.txt")],
+             capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr

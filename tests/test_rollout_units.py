@@ -36,7 +36,7 @@ from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manif
     ("n_samples", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("max_new_tokens", 0),
     ("bucket_bytes", 0), ("sync_timeout_s", 0.0), ("mismatch_threshold", 0.0), ("server_urls", ("node7:30000",)),
     ("stop_token_ids", (-1,)), ("mem_fraction_static", 1.0), ("server_tp", 0), ("num_servers", 0),
-    ("server_urls", ("http://a:1", "http://a:1")),
+    ("server_urls", ("http://a:1", "http://a:1")), ("server_python", "python3"),
 ])
 def test_config_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"rollout.{key}"):
@@ -100,14 +100,16 @@ def test_manifest_and_bucket_check(tmp_path):
         check_bucket([("model.embed_tokens.weight", torch.ones(4, 10))], manifest, "bucket 0")
 
 
-def test_cpu_server_command_and_environment(tmp_path):
+def test_cpu_server_command_and_environment(tmp_path, monkeypatch):
     cfg = RolloutConfig(engine="sglang", server_args=("--max-running-requests", "8"))
     cmd = launch_command("/ckpt", 31234, cfg, None)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31234" in cmd
     for flag in ("--device", "--attention-backend", "--sampling-backend", "--skip-server-warmup", "--sleep-on-idle"):
         assert flag in cmd
     assert cmd[-2:] == ["--max-running-requests", "8"]
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")      # the trainer's TP overlap setting: not the server's
     env = child_env(cuda=False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env and "CUDA_DEVICE_MAX_CONNECTIONS" not in child_env(cuda=True)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS)
     assert "SGLANG_USE_CPU_ENGINE" not in child_env(cuda=True)
 
@@ -121,6 +123,97 @@ def test_cpu_server_command_and_environment(tmp_path):
     assert gpu[-2:] == ["--max-running-requests", "8"]           # server_args last: they override
     with pytest.raises(ValueError, match="server_tp"):
         launch_command("/ckpt", 1, dataclasses.replace(cfg, server_tp=2), None)
+
+
+def _python_without_sglang(tmp_path) -> str:
+    """A real interpreter that cannot find sglang: this one, isolated (-I: no site-packages)."""
+    wrapper = tmp_path / "python-bare"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_server_python_runs_launched_servers_and_is_checked(tmp_path, monkeypatch):
+    """rollout.server_python (the container keeps sglang in /opt/sglang, not in the trainer's
+    Python): it starts the server command; unset, the container's SGLang Python where it exists,
+    else this interpreter. check-config's preflight refuses one that cannot find sglang, and a
+    server_python where nothing is launched; 'auto' picks sglang by the server's Python."""
+    import megadiv.rollout.factory as factory
+    from megadiv.cli import preflight
+    from megadiv.config import ModelConfig
+    from megadiv.rollout import sglang_server
+    from megadiv.trainer.config import TrainConfig, WarmStartConfig
+
+    assert launch_command("/ckpt", 1, RolloutConfig(engine="sglang"), None)[0] == (
+        sglang_server.CONTAINER_SGLANG_PYTHON if sglang_server.os.access(sglang_server.CONTAINER_SGLANG_PYTHON,
+                                                                         sglang_server.os.X_OK) else sys.executable)
+    bare = _python_without_sglang(tmp_path)
+    cfg = RolloutConfig(engine="sglang", server_python=bare)
+    assert launch_command("/ckpt", 1, cfg, None)[0] == bare
+    monkeypatch.setattr(sglang_server, "CONTAINER_SGLANG_PYTHON", bare)      # a container without sglang there
+    assert sglang_server.server_python(RolloutConfig()) == bare
+    assert not sglang_server.finds_sglang(bare) and sglang_server.finds_sglang(sys.executable)
+    assert not sglang_server.finds_sglang(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=f"rollout.server_python: {bare} cannot import sglang"):
+        sglang_server.check_server_python(cfg)
+    sglang_server.check_server_python(RolloutConfig(engine="sglang", server_python=sys.executable))
+    for nothing_launched in ({"engine": "embedded"}, {"server_urls": ("http://a:1",)}):
+        with pytest.raises(ConfigError, match="rollout.server_python runs launched servers; this config launches none"):
+            RolloutConfig(server_python=bare, **nothing_launched)
+    # auto: CUDA and a server Python with sglang (here: the stand-in container Python has none)
+    monkeypatch.setattr(factory.torch.cuda, "is_available", lambda: True)
+    assert resolve_engine_name(RolloutConfig()) == "embedded"
+    assert resolve_engine_name(RolloutConfig(server_python=sys.executable)) == "sglang"
+    # preflight (check-config, train): the server's Python, and 'tensor' sync in the trainer's
+    def train_cfg(**rollout):
+        return TrainConfig(model=ModelConfig(hf_dir=str(tmp_path / "m")), warm_start=WarmStartConfig(make_model="qwen2"),
+                           rollout=RolloutConfig(**rollout))
+    with pytest.raises(ConfigError, match="cannot import sglang"):
+        preflight._check_rollout(train_cfg(engine="sglang", server_python=bare))
+    preflight._check_rollout(train_cfg(engine="sglang", server_python=sys.executable, sync_method="tensor"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)     # a trainer without sglang
+    with pytest.raises(ConfigError, match="rollout.sync_method 'tensor' needs sglang in the trainer's Python"):
+        preflight._check_rollout(train_cfg(engine="sglang", server_urls=("http://a:1",), sync_method="tensor"))
+
+
+def test_distributed_sync_refuses_two_nccl_versions(tmp_path, monkeypatch):
+    """On a GPU machine whose server Python is another environment (the container's /opt/sglang),
+    preflight compares the NCCL both load (a faked device query here) and refuses a mismatch in one
+    line before any rank starts: NCCL would refuse the broadcast group ("Mismatched NCCL version")."""
+    from megadiv.cli import preflight
+    from megadiv.config import ModelConfig
+    from megadiv.rollout import sglang_server
+    from megadiv.trainer.config import TrainConfig, WarmStartConfig
+
+    other = tmp_path / "sglang-python"          # another interpreter path that finds sglang
+    other.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    other.chmod(0o755)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    versions = {sys.executable: "2.28.9", str(other): "2.29.2"}
+    monkeypatch.setattr(sglang_server, "nccl_version", lambda python: versions[python])
+
+    def check(**rollout):
+        preflight._check_rollout(TrainConfig(model=ModelConfig(hf_dir=str(tmp_path / "m")),
+                                             warm_start=WarmStartConfig(make_model="qwen2"),
+                                             rollout=RolloutConfig(engine="sglang", server_python=str(other), **rollout)))
+    with pytest.raises(ConfigError, match=r"trainer \(NCCL 2.28.9\) and servers run by .* \(NCCL 2.29.2\), which NCCL "
+                                          r"refuses: use sync_method 'disk'"):
+        check()
+    check(sync_method="disk")                    # no NCCL group between them
+    versions[str(other)] = "2.28.9"
+    check(sync_method="distributed")
+
+
+def test_tensor_sync_without_sglang_fails_in_one_line(monkeypatch):
+    """'auto' picks 'tensor' for a server on the trainer's GPUs: without sglang in the trainer's
+    Python its ImportError used to escape update_weights; now one WeightSyncError says what to set."""
+    from megadiv.rollout import weight_sync
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", None)     # import raises ImportError
+    fake_cuda = torch.zeros(1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    with pytest.raises(WeightSyncError, match="^sync_method 'tensor' needs sglang in the trainer's Python"):
+        weight_sync.serialize_bucket([("w", fake_cuda)])
 
 
 def tiny_config(root, **fields):

@@ -85,6 +85,9 @@ LAYOUTS = {
     "dp2": (1, 1, 2, {"model": {"recompute_granularity": "selective"}}),
     "tp2dp2": (2, 1, 4, {"model": {"recompute_granularity": "full", "recompute_method": "uniform",
                                    "recompute_num_layers": 1}}),
+    # the interleaved schedule (VPP): 2 chunks of 1 layer per stage, so a 4-layer model and its TP=1 reference
+    "tp1-4layers": (1, 1, 1, {"threads": 1, "layers": 4}),
+    "pp2vpp2": (1, 2, 2, {"virtual_pipeline": 2, "layers": 4}),
 }
 
 
@@ -96,14 +99,28 @@ class LayoutRuns(dict):
     """{layout: per-rank results}: one torchrun launch per layout, every run inside it, made when a
     test first asks for the layout (so that make test never launches the slow ones)."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, folder):
         super().__init__()
-        self.hf_dir = hf_dir
+        self.hf_dir, self.folder = hf_dir, folder
+
+    def _model(self, layers: int | None) -> str:
+        """The tiny model, or the same with ``layers`` layers (made once, in ``folder``)."""
+        if layers is None:
+            return self.hf_dir
+        from megadiv.models.tiny import make_tiny_model
+
+        path = self.folder / f"qwen2-{layers}layers"
+        if not path.exists():
+            make_tiny_model(path, "qwen2", tokenizer="bpe", vocab=301, hidden=64, heads=4, kv_heads=2, ffn=128,
+                            layers=layers)
+        return str(path)
 
     def __missing__(self, name: str):
         tp, pp, nproc, extra = LAYOUTS[name]
+        extra = dict(extra)
+        hf_dir = self._model(extra.pop("layers", None))
         self[name] = run_torchrun("tests.dist.trainer_policy:policy_steps", nproc, timeout_s=600,
-                                  args={"tp": tp, "pp": pp, "hf_dir": self.hf_dir, **extra,
+                                  args={"tp": tp, "pp": pp, "hf_dir": hf_dir, **extra,
                                         "runs": ([ADAM] if "rows" in extra
                                                  else [SGD, ADAM] + ([REGULARIZED] if pp == 1 else []))
                                                 + ([ADAM_PLAIN] if name == "tp1" else [])})
@@ -111,8 +128,8 @@ class LayoutRuns(dict):
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tiny_model):
-    return LayoutRuns(tiny_model)
+def layout_runs(tiny_model, tmp_path_factory):
+    return LayoutRuns(tiny_model, tmp_path_factory.mktemp("layouts"))
 
 
 # Tolerances (float32 weights, float64 metric reductions): the layouts sum the same terms in other
@@ -126,13 +143,13 @@ METRIC_TOL = dict(rel=1e-5, abs=1e-6)
 WEIGHT_TOL = {"sgd": dict(rtol=0, atol=3e-6), "adam": dict(rtol=0, atol=1e-6)}
 
 
-def _assert_same_training(run, ref, name, keys, optimizer):
+def _assert_same_training(run, ref, name, keys, optimizer, weight_tol=None):
     for s, s_ref in zip(run["steps"], ref["steps"], strict=True):
         for key in keys:
             assert s[key] == pytest.approx(s_ref[key], **METRIC_TOL), (name, key, s[key], s_ref[key])
     assert run["weights"].keys() == ref["weights"].keys()
     for k, w in run["weights"].items():
-        torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL[optimizer], msg=lambda m, k=k: f"{name} {k}: {m}")
+        torch.testing.assert_close(w, ref["weights"][k], **(weight_tol or WEIGHT_TOL[optimizer]), msg=lambda m, k=k: f"{name} {k}: {m}")
     assert run["logp_sum"] == pytest.approx(ref["logp_sum"], rel=5e-6), name  # observed <= 1.2e-6
 
 
@@ -195,6 +212,57 @@ def test_the_layouts_are_what_they_claim(layout_runs, layouts):
             assert [r[SGD]["layers_here"] for r in layout_runs[name]] == [2, 1]
         if name in recompute:
             assert {r[SGD]["recompute"] for r in layout_runs[name]} == {recompute[name]}, name
+
+
+def test_interleaved_schedule_batches_split_into_a_multiple_of_pp():
+    """megatron's interleaved schedule runs micro-batches in groups of PP and refuses fewer than PP
+    (schedules.py, forward_backward_pipelining_with_interleaving): the policy regroups each batch's
+    rows into the largest micro-batches that give a multiple of PP, and the config refuses a batch
+    that has none, naming it."""
+    from megadiv.config import ConfigError, ModelConfig, ParallelConfig
+    from megadiv.policy.megatron import interleaved_rows
+    from megadiv.rollout import RolloutConfig
+    from megadiv.trainer.config import GRPOConfig, TrainConfig, WarmStartConfig
+
+    assert interleaved_rows(8, 2, 2) == 2            # 4 micro-batches: as asked
+    assert interleaved_rows(8, 8, 2) == 4            # one asked (the probe's call): two
+    assert interleaved_rows(12, 4, 4) == 3 and interleaved_rows(6, 6, 3) == 2
+    with pytest.raises(ConfigError, match="3 rows do not split into a multiple of parallel.pipeline_parallel=2"):
+        interleaved_rows(3, 3, 2)
+
+    def cfg(probe_prompts=4, micro_batch_size=2, world_size=2):
+        c = TrainConfig(model=ModelConfig(hf_dir="/nonexistent"), warm_start=WarmStartConfig(make_model="qwen2"),
+                        parallel=ParallelConfig(pipeline_parallel=2, virtual_pipeline=2),
+                        rollout=RolloutConfig(probe_prompts=probe_prompts),
+                        grpo=GRPOConfig(prompts_per_step=1, micro_batch_size=micro_batch_size))
+        return c.check_world_size(world_size)
+
+    assert cfg() == 1                                 # 8 rollout rows, 4 micro-batches of 2
+    with pytest.raises(ConfigError, match="rollout.probe_prompts: 3 rows"):
+        cfg(probe_prompts=3)
+    with pytest.raises(ConfigError, match=r"a mini-batch \(1 // grpo.mini_batches=1 rows per replica\): 1 rows"):
+        cfg(micro_batch_size=1, world_size=16)        # 8 replicas of 1 row
+
+
+@pytest.mark.parametrize("run", [SGD, ADAM], ids=["sgd-token-mean", "adam-seq-mean-token-mean"])
+def test_interleaved_pipeline_trains_like_tp1(layout_runs, run):
+    """PP=2 with two model chunks per stage (parallel.virtual_pipeline=2, megatron's interleaved
+    1F1B, which takes one data iterator per chunk) trains a 4-layer model like TP=1 x PP=1: the
+    layouts' tolerances. A log-prob call asking for one micro-batch (the post-sync probe's) is
+    regrouped into two, one per stage, and gives the same log-probs. Weights after three SGD steps:
+    observed 6.7e-6 from TP=1 on 12 of the tied embedding's 19,264 elements, exactly what PP=2
+    without interleaving gives on this model (its two stages sum the tied embedding's gradient in
+    another order); a chunk fed the wrong micro-batch, the failure this guards, moved the first
+    loss by 0.1."""
+    ref = layout_runs["tp1-4layers"][0][run]
+    assert ref["steps"][-1]["loss/total"] != ref["steps"][0]["loss/total"]  # it learns
+    for rank, r in enumerate(layout_runs["pp2vpp2"]):
+        assert r[run]["chunks"] == 2 and r[run]["layers_here"] == 1
+        assert r[run]["skipped"] == 1.0 and r[run]["unchanged"]
+        _assert_same_training(r[run], ref, f"pp2vpp2 rank {rank}", ("loss/total", "loss/kl", "grad_norm", "entropy",
+                                                                   "ratio/max", "ratio/min", "ref/k3"), optimizer=run[1],
+                              weight_tol=dict(rtol=0, atol=1e-5))
+        assert r[run]["logp_sum_one_micro_batch"] == pytest.approx(r[run]["logp_sum"], rel=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "dp2", pytest.param("tp2dp2", marks=FOUR_RANKS)])

@@ -156,6 +156,52 @@ def test_prob_l2_float32_error():
         assert (d >= 0).all()
 
 
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """float32 rounded to TF32's 10 mantissa bits (to nearest), what cuBLAS does to a matmul's
+    operands when TF32 is on."""
+    return ((x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def test_prob_l2_products_stay_exact_under_tf32_matmuls(monkeypatch):
+    """NGC's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 makes cuBLAS take float32 matmuls in TF32 whatever
+    torch's flags say. With torch.bmm / baddbmm replaced by TF32-rounding ones, the batched-matmul
+    path errs by 3.4e-4 against float64 (values and gradients, 13 and 32,000 columns), the
+    elementwise path that CUDA takes (vp._elementwise_products) stays at its float32 error, 2.9e-7
+    (test_prob_l2_float32_error's bound: 1.5e-6); without TF32 the two paths agree to 2.4e-7."""
+    bmm, baddbmm = torch.bmm, torch.baddbmm
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for vocab in (13, 32000):
+        z = (3 * torch.randn(16, vocab, generator=g, dtype=F64)).float()
+        zb = (z.double() + torch.randn(16, vocab, generator=g, dtype=F64)).float()
+        up = torch.randn(16, generator=g, dtype=F64)
+        cases.append((z, zb, up, _prob_l2_autograd(z, zb, up, vocab)))
+
+    def run(elementwise: bool) -> tuple[float, list[torch.Tensor]]:
+        monkeypatch.setattr(vp, "_elementwise_products", lambda device: elementwise)
+        error, outputs = 0.0, []
+        for z, zb, up, want in cases:
+            x, xb = z.clone().requires_grad_(), zb.clone().requires_grad_()
+            d = get_divergence("full_prob_l2")(x, xb)
+            (d * up.float()).sum().backward()
+            for got, ref in ((d.detach(), want[0]), (x.grad, want[1]), (xb.grad, want[2])):
+                error = max(error, float((got.double() - ref).abs().max()))
+                outputs.append(got)
+        return error, outputs
+
+    exact_matmul, matmul_out = run(elementwise=False)
+    exact_elementwise, elementwise_out = run(elementwise=True)
+    assert exact_matmul <= 1.5e-6 and exact_elementwise <= 1.5e-6
+    for a, b in zip(matmul_out, elementwise_out):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-7)
+    monkeypatch.setattr(torch, "bmm", lambda a, b, *, out=None: bmm(_tf32(a), _tf32(b), out=out))
+    monkeypatch.setattr(torch, "baddbmm", lambda c, a, b, *, out=None: baddbmm(c, _tf32(a), _tf32(b), out=out))
+    tf32_matmul, _ = run(elementwise=False)
+    tf32_elementwise, _ = run(elementwise=True)
+    assert tf32_matmul > 1e-4, tf32_matmul              # the emulation bites: what the GPU test saw
+    assert tf32_elementwise <= 1.5e-6, tf32_elementwise
+
+
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("name", VOCAB_MEASURES)
 def test_full_vocab_rows_outside_the_unshifted_window(name, dtype):

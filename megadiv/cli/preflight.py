@@ -29,6 +29,7 @@ def preflight(cfg: TrainConfig, check_weights: bool = True, checksums: bool = Tr
             _check_data(data, section, cfg.model)
     if "wandb" in cfg.run.loggers:
         import_wandb()  # installed, or a ConfigError saying so
+    _check_rollout(cfg)
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     _check_writable(run_dir, "run.output_dir")
     if cfg.model.has_checkpoint():
@@ -36,6 +37,37 @@ def preflight(cfg: TrainConfig, check_weights: bool = True, checksums: bool = Tr
     else:  # warm_start.make_model creates it (TrainConfig requires that)
         _check_writable(Path(cfg.model.hf_dir), "model.hf_dir")
     return _resume_notes(cfg, run_dir, checksums) if cfg.checkpoint.resume == "auto" else []
+
+
+def _check_rollout(cfg: TrainConfig) -> None:
+    """The Python of servers megadiv launches finds sglang (engine 'sglang', or a server_python
+    given); 'tensor' sync pickles CUDA-IPC handles with sglang's own reductions, so the trainer's
+    Python must find it too."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    from megadiv.rollout.sglang_server import check_server_python, finds_sglang, nccl_version, server_python
+
+    r = cfg.rollout
+    if not r.server_urls and (r.engine == "sglang" or r.server_python is not None):
+        check_server_python(r)
+    # NCCL refuses a communicator whose ranks run different versions, at the first broadcast: a
+    # server Python other than ours (the container's /opt/sglang; attached servers are assumed to
+    # run it too) must load our NCCL
+    python = server_python(r)
+    if (torch.cuda.is_available() and r.engine != "embedded" and r.sync_method in ("auto", "distributed")
+            and python != sys.executable and finds_sglang(python)):
+        ours, theirs = nccl_version(sys.executable), nccl_version(python)
+        if ours != theirs:
+            raise ConfigError(f"rollout.sync_method {r.sync_method!r} broadcasts over NCCL between the trainer (NCCL "
+                              f"{ours}) and servers run by {python} (NCCL {theirs}), which NCCL refuses: use "
+                              f"sync_method 'disk', or one NCCL for both (docker/Dockerfile preloads the image's)")
+    if r.sync_method == "tensor" and importlib.util.find_spec("sglang") is None:
+        raise ConfigError("rollout.sync_method 'tensor' needs sglang in the trainer's Python (its CUDA-IPC tensor "
+                          "reductions), which has none (the container keeps it in /opt/sglang): use 'distributed' or "
+                          "'disk'")
 
 
 def _check_data(data: DataConfig, section: str, model: ModelConfig) -> None:

@@ -90,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     from megadiv.parallel.threads import threads_per_rank
     from megadiv.trainer.grpo import train
 
+    if cfg.parallel.tensor_parallel > 1:
+        # before CUDA starts: one hardware queue, so megatron's asynchronous TP all-reduce / all-gather
+        # is scheduled ahead of the backward matmul it overlaps with (tensor_parallel/layers.py)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     # a process of its own (no torchrun) or one of torchrun's: the cores shared out over this machine's ranks
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if rank == 0 and os.environ.get(ALL_WARNINGS) != "1":

@@ -322,6 +322,26 @@ def _exps_below_max(c: torch.Tensor, out: torch.Tensor, m: torch.Tensor) -> None
     torch.sub(c, m.unsqueeze(1), out=out).exp_()
 
 
+def _elementwise_products(device: torch.device) -> bool:
+    """Whether ProbL2's row dot products and its K = 2 products run elementwise rather than as
+    batched matmuls: on CUDA, where cuBLAS may compute float32 matmuls in TF32 (10 mantissa bits)
+    whatever torch's flags say (the NGC image's TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 overrides
+    them), which errs by ~1e-3 p_j in the gradient's r term. CPU matmuls are exact float32 and
+    read each entry once, so the CPU keeps them."""
+    return device.type == "cuda"
+
+
+def _row_dots(e: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+    """out[i, k, l] = sum_v e[i, k, v] e[i, l, v]: e [n, 2, W], out [n, 2, 2]; ``scratch``
+    [n, W] holds a product on the elementwise path (_elementwise_products)."""
+    if not _elementwise_products(e.device):
+        torch.bmm(e, e.transpose(1, 2), out=out)
+        return
+    for k, l in ((0, 0), (0, 1), (1, 1)):
+        out[:, k, l] = torch.mul(e[:, k], e[:, l], out=scratch).sum(dim=-1)
+    out[:, 1, 0] = out[:, 0, 1]
+
+
 def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
                 dots: torch.Tensor | None = None):
     """First phase of a divergence chunk: ``exps[:, k] = e^(z_k - m_k)`` from the chunk's rows
@@ -359,7 +379,7 @@ def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
                 _exps_below_max(c, e[:, k], m_t[k])
         torch.sum(e, dim=-1, out=s_t)                           # [nt, 2] in one op
         if dots_t is not None:
-            torch.bmm(e, e.transpose(1, 2), out=dots_t)
+            _row_dots(e, dots_t, tile_ws.take("product", e.shape[0]) if _elementwise_products(e.device) else None)
     if unshifted:
         lo, hi = _unshifted_window(dtype, width)
         outside = ~((sums >= lo) & (sums <= hi))                # [n, 2], NaN included
@@ -372,7 +392,8 @@ def _shard_exps(z, z_b, exps: torch.Tensor, tile: int, tile_ws: Workspace,
                 m[k, rows], exps[rows, k], sums[rows, k] = m_r, e_r, e_r.sum(dim=-1)
             if dots is not None:
                 rows = outside.any(dim=1).nonzero().squeeze(1)
-                dots[rows] = torch.bmm(exps[rows], exps[rows].transpose(1, 2))
+                _row_dots(exps[rows], dots_r := dots.new_empty(len(rows), 2, 2))
+                dots[rows] = dots_r
     return m, sums.T
 
 
@@ -486,7 +507,7 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
         D = P2 - 2 PQ + Q2.
     The buffers hold e (r + S), the factors -2 alpha, 2 beta go into the backward's per-row
     scaling (which the upstream gradient needs anyway), and r + S = S - alpha e_p + beta e_q is
-    one batched matmul: p and q are never formed.
+    one batched matmul (two multiply-adds on CUDA: _elementwise_products): p and q are never formed.
 
     Per chunk, in cache-sized tiles: (1) e_p, e_q into one chunk buffer [n, 2, V_valid], their
     shard sums and row dot products (a batched matmul, which reads each entry once and writes
@@ -513,6 +534,7 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
     stack_ws = Workspace(n_max, 2 * valid, dtype, device)      # e_p, e_q of a chunk
     tile_ws = Workspace(min(tile, n_max), valid, dtype, device)   # r + S, upcasts
     dots = torch.zeros(n_max, 2, 2, dtype=dtype, device=device)   # stays 0 on a padding-only shard
+    elementwise = _elementwise_products(device)
     for rs in shard.chunks(rows):
         n = rs.stop - rs.start
         e = stack_ws.take("e", n).view(n, 2, valid)
@@ -540,8 +562,11 @@ def _prob_l2_pass(z, z_b, shard: VocabShard, want: bool, want_base: bool,
                 if out is None:
                     continue
                 grad_t, total_t = out[0][i], out[1][i]
-                h = torch.baddbmm(total_t.unsqueeze(1), coef_t, e_t,            # r + S or r + T
-                                  out=tile_ws.take("h", nt).unsqueeze(1))[:, 0]
+                if elementwise:                                                 # r + S or r + T
+                    h = torch.addcmul(total_t, coef_t[:, 0, :1], e_t[:, 0], out=tile_ws.take("h", nt))
+                    h.addcmul_(coef_t[:, 0, 1:], e_t[:, 1])
+                else:
+                    h = torch.baddbmm(total_t.unsqueeze(1), coef_t, e_t, out=tile_ws.take("h", nt).unsqueeze(1))[:, 0]
                 if grad_t.dtype == dtype:
                     torch.mul(h, e_t[:, k], out=grad_t)
                 else:

@@ -141,6 +141,14 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
     return model
 
 
+def gradient_accumulation_fusion_available() -> bool:
+    """Whether megatron's local linear layers can fuse the weight-gradient accumulation: apex's
+    CUDA extension fused_weight_gradient_mlp_cuda is importable (megatron asserts otherwise)."""
+    from megatron.core.tensor_parallel import layers
+
+    return layers._grad_accum_fusion_available
+
+
 def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
                        sequence_parallel: bool, stage_layers: list[int], initialize: bool, **overrides):
     """The megatron TransformerConfig reproducing the HF architecture exactly."""
@@ -171,6 +179,15 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         recompute_granularity=None if cfg.recompute_granularity == "none" else cfg.recompute_granularity,
         recompute_method=cfg.recompute_method, recompute_num_layers=cfg.recompute_num_layers,
         batch_p2p_sync=cuda,  # True calls torch.cuda.synchronize() around p2p
+        # Two stages interleaved: each rank's previous and next stage are the same rank, and in one
+        # batch_isend_irecv the activation and the gradient it sends that rank are matched with the
+        # peer's receives in posting order, which megatron posts the other way round (observed
+        # under gloo: a chunk trained on the other message). Unbatched, megatron sends one
+        # direction over a second group for exactly this case (p2p_communication._p2p_ops).
+        batch_p2p_comm=not (vpp and pp == 2),
+        # the weight gradient GEMM accumulates straight into DDP's fp32 main_grad (apex's
+        # fused_weight_gradient_mlp_cuda; TE layers have their own) instead of a bf16 grad and an add
+        gradient_accumulation_fusion=cuda and gradient_accumulation_fusion_available(),
     )
     if cfg.fp8 != "none":
         from megadiv.models.fp8 import check_fp8_here

@@ -33,6 +33,8 @@ OWNED_KEYS = {
     "zero_optimization.offload_optimizer": "deepspeed.offload_optimizer",
     "zero_optimization.offload_param": "deepspeed.offload_params",
     "activation_checkpointing": "deepspeed.gradient_checkpointing (Hugging Face's per-layer checkpointing)",
+    "data_types": "model.params_dtype (bf16 accumulates gradients in fp32 at ZeRO >= 1; DeepSpeed refuses "
+                  "that mix at ZeRO-0)",
 }
 
 
@@ -87,6 +89,12 @@ def engine_config(ds: DeepSpeedConfig, model: ModelConfig, optim: OptimConfig | 
         "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
     }
+    if model.params_dtype == "bfloat16" and ds.zero_stage >= 1:
+        # DeepSpeed accumulates gradients in the model's dtype unless told otherwise: bf16 (8
+        # mantissa bits) sums of many micro-batches. fp32 instead: at ZeRO-1 DeepSpeed's
+        # BF16_Optimizer, at 2/3 the ZeRO optimizer's fp32 partitions. ZeRO-0 refuses the mix
+        # (engine._do_optimizer_sanity_check: "unsupported mix"), docs/deepspeed.md.
+        generated["data_types"] = {"grad_accum_dtype": "fp32"}
     return _merge(generated, ds.config)
 
 

@@ -80,6 +80,8 @@ class Policy:
         self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.chunks = self.model.chunks
+        # interleaved schedule (VPP): the micro-batch count must be a multiple of PP (interleaved_rows)
+        self.interleave_stages = parallel_cfg.pipeline_parallel if parallel_cfg.virtual_pipeline else None
         # every tensor of a step is made on (or moved to) the device of the weights
         self.device = next(self.chunks[0].parameters()).device
         self.seq_multiple = sequence_multiple(model_cfg, parallel_cfg)
@@ -129,6 +131,9 @@ class Policy:
         width (padded) or packed; ``micro_batch_size`` caps the rows."""
         if self.max_tokens is None:
             width = round_up(batch.tokens.shape[1], self.seq_multiple)
+            if self.interleave_stages is not None:
+                # fixed-width micro-batches sum the same per-token terms however the rows are grouped
+                micro_batch_size = interleaved_rows(len(batch), micro_batch_size, self.interleave_stages)
             micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
             return micro, [ModelInput.padded(mb, width) for mb in micro], None
         parts, order = batch.by_token_budget(self.max_tokens, micro_batch_size, self.seq_multiple)
@@ -160,10 +165,14 @@ class Policy:
 
         # the shape of the first micro-batch; the others' travel with them (variable_seq_lengths)
         rows, seq_len = inputs[0].tokens.shape
+        data = list(zip(micro, inputs))
+        # the interleaved schedule runs every micro-batch through each model chunk, reading it from
+        # that chunk's own iterator (it asserts a list, one per chunk); the others take one iterator
+        iterators = [iter(data) for _ in self.chunks] if len(self.chunks) > 1 else iter(data)
         context = torch.no_grad() if forward_only else torch.enable_grad()
         with context:
             out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(list(zip(micro, inputs))), model=self.chunks,
+                forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
                 num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=rows,
                 forward_only=forward_only)
         return out, order
@@ -303,6 +312,18 @@ def sequence_multiple(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> i
     if model_cfg.fp8 != "none":
         return 16 * tp
     return tp if parallel_cfg.sequence_parallel else 1
+
+
+def interleaved_rows(rows: int, micro_batch_size: int, pipeline_parallel: int) -> int:
+    """Rows per micro-batch for megatron's interleaved schedule (VPP) on ``rows`` rows: the largest
+    size <= ``micro_batch_size`` that splits them into a multiple of ``pipeline_parallel``
+    micro-batches (the schedule runs them in groups of PP and refuses a smaller remainder).
+    ConfigError when there is none (fewer than PP rows, say)."""
+    for size in range(min(micro_batch_size, rows), 0, -1):
+        if rows % size == 0 and (rows // size) % pipeline_parallel == 0:
+            return size
+    raise ConfigError(f"{rows} rows do not split into a multiple of parallel.pipeline_parallel={pipeline_parallel} "
+                      f"equal micro-batches, which the interleaved schedule (parallel.virtual_pipeline) needs")
 
 
 def _runs_transformer_engine(model: MegatronModel) -> bool:

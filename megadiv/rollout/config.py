@@ -47,6 +47,10 @@ class RolloutConfig:
     state to come; (1 - this) of it stays free for the trainer's activations (docs/rollout.md)."""
     server_args: tuple[str, ...] = ()
     """Extra ``sglang.launch_server`` flags for a launched server, e.g. ("--max-running-requests", "64")."""
+    server_python: str | None = None
+    """The Python that runs a launched server (``-m sglang.launch_server``); it must import sglang.
+    None: the container's SGLang environment, /opt/sglang/bin/python, where it exists (docker/),
+    else the trainer's own interpreter. Checked by check-config when servers are launched."""
     log_dir: str | None = None
     """Where a launched server writes its log; None: a temporary directory (path logged)."""
     startup_timeout_s: float = 600.0
@@ -125,6 +129,11 @@ class RolloutConfig:
                                 "running ones: set one of the two")
         if self.num_servers > 1 and self.engine == "embedded":
             fail("num_servers", "is only used by engine 'sglang' (engine is 'embedded')")
+        if self.server_python is not None and not self.server_python.startswith("/"):
+            fail("server_python", "must be an absolute path to a Python interpreter")
+        if self.server_python is not None and (self.server_urls or self.engine == "embedded"):
+            fail("server_python", "runs launched servers; this config launches none (engine 'embedded' or "
+                                  "rollout.server_urls set)")
         if len(set(self.server_urls)) != len(self.server_urls):
             fail("server_urls", "must not repeat a server")
 

@@ -5,7 +5,6 @@ back up to it.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,12 +18,15 @@ if TYPE_CHECKING:
 
 
 def resolve_engine_name(cfg: RolloutConfig) -> str:
-    """``auto`` -> sglang when CUDA and sglang are present (or servers are given), else embedded."""
+    """``auto`` -> sglang when CUDA is present and the server's Python (sglang_server.server_python:
+    in the container not the trainer's) finds sglang, or servers are given; else embedded."""
+    from megadiv.rollout.sglang_server import finds_sglang, server_python
+
     if cfg.engine != "auto":
         return cfg.engine
     if cfg.server_urls or cfg.num_servers > 1:
         return "sglang"
-    return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "embedded"
+    return "sglang" if torch.cuda.is_available() and finds_sglang(server_python(cfg)) else "embedded"
 
 
 def make_engine(cfg: RolloutConfig, hf_dir: str, trainer_memory: TrainerMemory | None = None,

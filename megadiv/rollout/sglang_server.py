@@ -15,6 +15,8 @@ torchvision and the one sgl_kernel op a dense model calls); the trainer process 
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.util
 import json
 import logging
 import math
@@ -32,6 +34,7 @@ from pathlib import Path
 import psutil
 import requests
 
+from megadiv.config import ConfigError
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutError
 
@@ -162,10 +165,56 @@ def served_model_flags(hf_dir: str) -> list[str]:
     return flags
 
 
+# docker/Dockerfile's SGLang environment: sglang pins a torch of its own, so in the container it
+# lives beside the trainer's Python, not in it.
+CONTAINER_SGLANG_PYTHON = "/opt/sglang/bin/python"
+
+
+def server_python(cfg: RolloutConfig) -> str:
+    """The interpreter of a launched server: ``rollout.server_python``, else the container's SGLang
+    environment where it exists, else this one."""
+    if cfg.server_python is not None:
+        return cfg.server_python
+    return CONTAINER_SGLANG_PYTHON if os.access(CONTAINER_SGLANG_PYTHON, os.X_OK) else sys.executable
+
+
+@functools.cache
+def finds_sglang(python: str) -> bool:
+    """Whether ``python`` runs and finds sglang (a module lookup, not an import: ~0.1 s)."""
+    if python == sys.executable:
+        return importlib.util.find_spec("sglang") is not None
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def check_server_python(cfg: RolloutConfig) -> None:
+    """ConfigError unless the interpreter that would run a launched server finds sglang."""
+    python = server_python(cfg)
+    if not finds_sglang(python):
+        raise ConfigError(f"rollout.server_python: {python} cannot import sglang (or does not run): install sglang "
+                          f"there, or set rollout.server_python to the Python of an environment that has it (in "
+                          f"the container: {CONTAINER_SGLANG_PYTHON})")
+
+
+def nccl_version(python: str) -> str:
+    """The NCCL that torch loads under ``python`` ("2.28.9"), or why none could be read."""
+    code = "import torch; print('.'.join(map(str, torch.cuda.nccl.version())))"
+    if python == sys.executable:
+        import torch
+
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    return proc.stdout.strip() if proc.returncode == 0 else f"unreadable ({proc.stderr.strip()[-200:]})"
+
+
 def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, gpu: GpuPlacement | None) -> list[str]:
     """The ``sglang.launch_server`` command line for ``hf_dir`` on 127.0.0.1:``port``, on the GPUs
-    of ``gpu`` (None: a CPU server). ``rollout.server_args`` come last and so override these."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
+    of ``gpu`` (None: a CPU server), run by :func:`server_python`. ``rollout.server_args`` come
+    last and so override these."""
+    cmd = [server_python(cfg), "-m", "sglang.launch_server", "--model-path", str(hf_dir),
            "--host", "127.0.0.1", "--port", str(port)]
     if gpu is not None:
         cmd += ["--tp-size", str(cfg.server_tp), "--base-gpu-id", str(gpu.base_gpu_id),
@@ -177,12 +226,15 @@ def launch_command(hf_dir: str, port: int, cfg: RolloutConfig, gpu: GpuPlacement
     return cmd + list(cfg.server_args)
 
 
-# torchrun's variables: a server started by a trainer rank must not join the trainer's rendezvous
+# torchrun's variables (and the trainer's CUDA_DEVICE_MAX_CONNECTIONS): a server started by a trainer rank
+# must not join the trainer's rendezvous
 # (SGLang initialises torch.distributed from the environment and would wait for the trainer's ranks).
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                      # the trainer's TP overlap setting (cli/train.py): it would serialise the server's streams
+                      "CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 def child_env(cuda: bool, shares_trainer_gpus: bool = False) -> dict[str, str]:

@@ -124,8 +124,12 @@ def serialize_bucket(bucket: Bucket) -> str:
     if not all(t.is_cuda for _, t in bucket):
         raise WeightSyncError("sync_method 'tensor' needs CUDA tensors; use 'distributed' or 'disk' on CPU")
     # SGLang's reduction names the GPU by UUID, so a server with other CUDA_VISIBLE_DEVICES maps the
-    # handle to the right device (sglang is installed wherever there is a GPU server)
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    # handle to the right device
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:   # 'auto' picked 'tensor' (colocated server) in a trainer without sglang
+        raise WeightSyncError("sync_method 'tensor' needs sglang in the trainer's Python (its CUDA-IPC tensor "
+                              "reductions), which has none: set rollout.sync_method to 'distributed' or 'disk'") from None
     monkey_patch_torch_reductions()
     buf = io.BytesIO()
     ForkingPickler(buf).dump([(n, t.detach().contiguous()) for n, t in bucket])

@@ -324,6 +324,27 @@ class TrainConfig:
                 f"grpo.micro_batch_size={g.micro_batch_size} micro-batches")
         if self.warm_start.sft_steps and self.warm_start.sft_batch_size % data_parallel:
             raise ConfigError(f"warm_start.sft_batch_size={self.warm_start.sft_batch_size} does not split{where}")
+        if self.parallel.virtual_pipeline is not None and self.model.backend == "megatron":
+            self._check_interleaved_batches(per_replica, data_parallel)
+
+    def _check_interleaved_batches(self, per_replica: int, data_parallel: int) -> None:
+        """Every batch the interleaved schedule runs (a mini-batch, a replica's rollout batch for
+        its log-probs, the post-sync probe, a warm-start batch) must split into a multiple of PP
+        equal micro-batches (policy.megatron.interleaved_rows)."""
+        from megadiv.policy.megatron import interleaved_rows
+
+        g = self.grpo
+        batches = {f"a mini-batch ({per_replica} // grpo.mini_batches={g.mini_batches} rows per replica)":
+                   per_replica // g.mini_batches,
+                   f"a replica's {per_replica} rollout rows": per_replica,
+                   "rollout.probe_prompts": self.rollout.probe_prompts}
+        if self.warm_start.sft_steps:
+            batches["warm_start.sft_batch_size per replica"] = self.warm_start.sft_batch_size // data_parallel
+        for what, rows in batches.items():
+            try:
+                interleaved_rows(rows, g.micro_batch_size, self.parallel.pipeline_parallel)
+            except ConfigError as e:
+                raise ConfigError(f"{what}: {e}") from None
 
     def _check_token_budget(self) -> None:
         """A budget must hold one full-length row (at least one prompt token + max_new_tokens,

@@ -112,7 +112,7 @@ def zero3(ctx):
 
 def bf16_stages(ctx):
     """One rank, bf16 weights (``model.params_dtype: bfloat16``, DeepSpeed's bf16 engine, fp32
-    master weights and Adam state): three steps of ``parity``'s batch and loss at ZeRO-0 and at
+    master weights and Adam state): three steps of ``parity``'s batch and loss at ZeRO-0, ZeRO-1 and
     ZeRO-3 (on one rank its partitioning hooks still gather and release every parameter), each from
     the same weights. The GPU check's ``deepspeed_bf16`` item runs it on the GPU; a CPU test too."""
     import time
@@ -121,7 +121,7 @@ def bf16_stages(ctx):
     initialize(ParallelConfig(), seed=1)
     model = ModelConfig(hf_dir=hf_dir, backend="deepspeed", params_dtype="bfloat16")
     out = {}
-    for stage in ctx.args.get("stages", (0, 3)):
+    for stage in ctx.args.get("stages", (0, 1, 3)):
         def make(role, optim, stage=stage):
             return DeepSpeedPolicy(model, DeepSpeedConfig(zero_stage=stage), role, optim, total_steps=3, temperature=0.7)
 
@@ -132,6 +132,8 @@ def bf16_stages(ctx):
         out[stage] = {"steps": steps, "wall_s": time.perf_counter() - start,
                       "dtypes": sorted({str(w.dtype) for w in weights.values()}),
                       "device": str(next(actor.module.parameters()).device),
+                      "optimizer": type(actor.engine.optimizer).__name__,
+                      "grad_accum_dtype": str(actor.engine.get_data_types()[1]),
                       "weights": {k: w.float().cpu() for k, w in weights.items()}}
         del actor, reference
     return out

@@ -39,11 +39,13 @@ def policy_steps(ctx):
     scaling over micro-batches and DP replicas, grad norms over TP shards and DP, metric reduction,
     the distributed optimizer over DP). ``model`` holds extra ModelConfig fields (recompute);
     ``threads`` the intra-op threads of each rank (torch.set_num_threads); ``rows`` the global
-    batch (default ROWS, micro-batches of 2; more rows: 4 micro-batches)."""
+    batch (default ROWS, micro-batches of 2; more rows: 4 micro-batches); ``virtual_pipeline`` model
+    chunks per pipeline rank (megatron's interleaved schedule)."""
     a = ctx.args
     if "threads" in a:
         torch.set_num_threads(a["threads"])
-    parallel = ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"], stage_layers=a.get("stage_layers"))
+    parallel = ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"], stage_layers=a.get("stage_layers"),
+                              virtual_pipeline=a.get("virtual_pipeline"))
     info = initialize(parallel, seed=1)
     model = ModelConfig(hf_dir=a["hf_dir"], **a.get("model", {}))
     rows = a.get("rows", ROWS)
@@ -75,10 +77,16 @@ def policy_steps(ctx):
         counted = logp is not None and info.tp_rank == 0  # each row once: its replica's TP rank 0, last stage
         logp_sum = torch.tensor(float((logp * batch.loss_mask).sum()) if counted else 0.0, dtype=torch.float64)
         dist.all_reduce(logp_sum)
+        # the same in one requested micro-batch (the post-sync probe's call): the interleaved
+        # schedule regroups the rows into a multiple of PP micro-batches
+        whole = actor.log_probs(batch, micro_batch_size=len(batch))
+        whole_sum = torch.tensor(float((whole * batch.loss_mask).sum()) if counted else 0.0, dtype=torch.float64)
+        dist.all_reduce(whole_sum)
         gpt = actor.model.gpt_models[0]
         out[(agg, optimizer, regularizer)] = {
             "steps": steps, "skipped": skipped["skipped"], "unchanged": unchanged, "weights": weights,
-            "logp_sum": float(logp_sum), "threads": torch.get_num_threads(),
+            "logp_sum": float(logp_sum), "logp_sum_one_micro_batch": float(whole_sum), "chunks": len(actor.chunks),
+            "threads": torch.get_num_threads(),
             "layers_here": len(gpt.decoder.layers),
             "recompute": (gpt.config.recompute_granularity, gpt.config.recompute_method,
                           gpt.config.recompute_num_layers),
