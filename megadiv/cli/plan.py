@@ -86,10 +86,19 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
     if per_mini % (layout.dp * cfg.grpo.micro_batch_size):
         return None
     colocated = cfg.rollout.engine != "embedded" and not cfg.rollout.server_urls
+    rows, seq_len, positions = cfg.grpo.micro_batch_size, prompt_tokens + cfg.rollout.max_new_tokens, \
+        cfg.rollout.max_new_tokens
+    in_flight = per_mini // (layout.dp * cfg.grpo.micro_batch_size)
+    budget = cfg.grpo.max_tokens_per_micro_batch
+    if budget is not None:
+        # a token budget: a micro-batch holds at most min(budget, micro_batch_size x seq_len) tokens
+        # (a longer row alone), counted as one row of that many tokens with logits at every response
+        # position among them; as many micro-batches as rows at worst (1F1B keeps min(PP, them))
+        tokens = max(seq_len, min(budget, rows * seq_len))
+        rows, seq_len, positions = 1, tokens, min(tokens, cfg.grpo.micro_batch_size * positions)
+        in_flight = per_mini // layout.dp
     return Workload(
-        micro_batch_size=cfg.grpo.micro_batch_size, seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
-        logit_positions=cfg.rollout.max_new_tokens,
-        micro_batches_in_flight=per_mini // (layout.dp * cfg.grpo.micro_batch_size),
+        micro_batch_size=rows, seq_len=seq_len, logit_positions=positions, micro_batches_in_flight=in_flight,
         params_dtype=cfg.model.params_dtype, optimizer=cfg.optim.optimizer, reference=cfg.needs_reference,
         log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,
         spec="local" if cfg.model.transformer_impl == "local" else "te",
