@@ -824,3 +824,119 @@ def test_sandbox_dies_with_a_killed_caller_and_its_leftovers_are_swept(mode):
 
     if cgroup_base():
         assert [n for n in os.listdir(cgroup_base()) if n.startswith(stale)] == []
+
+
+# --------------------------------------------------------------------------- issue 40
+
+DEEP_FORGERY = """
+import os, sys, json
+frame = sys._getframe()
+while frame is not None and 'nonce' not in frame.f_locals:  # the harness's run_tests
+    frame = frame.f_back
+nonce, fd = frame.f_locals['nonce'], frame.f_locals['fd']
+deep = 'x'
+for _ in range(DEPTH):
+    deep = [deep]
+for ev in ({'e': 'program', 'ok': True}, {'e': 'test', 'i': 0, 'v': [deep]}, {'e': 'test', 'i': 1, 'v': [4]},
+           {'e': 'done', 'count': 2}):
+    os.write(fd, (json.dumps({**ev, 'n': nonce}) + '\\n').encode())
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_forged_deep_stream_with_the_nonce_scores_zero_and_raises_nothing(mode):
+    # The forged stream is complete and carries the nonce; only its depth gives it away. 400 levels
+    # parse at any stack depth; 985 (the red team's) may already fail to parse here: crashed either way.
+    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "400"), FORGE_TESTS, mode)
+    assert (r.status, r.passed) == ("crashed", 0) and "deeper" in r.detail, r
+    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "985"), FORGE_TESTS, mode)
+    assert (r.status, r.passed) == ("crashed", 0), r
+
+
+def test_deep_values_never_reach_the_judge():
+    from megadiv.rewards.sandbox_streams import MAX_JSON_DEPTH, json_depth, parse_results
+
+    deep = "x"
+    for _ in range(MAX_JSON_DEPTH):
+        deep = [deep]
+    line = json.dumps({"e": "test", "i": 0, "v": [deep], "n": "N"}).encode() + b"\n"
+    assert json_depth(json.loads(line)) == MAX_JSON_DEPTH + 2
+    events, why = parse_results(line, "N")
+    assert events == [] and "deeper" in why
+    # the deepest value the harness's encoder sends (64 nested tuples) still parses
+    from megadiv.rewards.jail.harness import make_encoder
+
+    value = ()
+    for _ in range(63):
+        value = (value,)
+    encoded = make_encoder()([value])
+    assert encoded is not None
+    ok = json.dumps({"e": "test", "i": 0, "v": encoded, "n": "N"}).encode() + b"\n"
+    assert parse_results(ok, "N")[1] == ""
+
+
+def _sysv_ids() -> set[str]:
+    ids = set()
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            ids |= {f"{kind}:{line.split()[1]}" for line in f.readlines()[1:]}
+    return ids
+
+
+SYSV_PROBE = """
+import ctypes, errno
+def attack():
+    libc = ctypes.CDLL(None, use_errno=True)
+    made = []
+    for name, args in (('shmget', (0, 16 << 20, 0o1666)), ('msgget', (0, 0o1666)), ('semget', (0, 1, 0o1666))):
+        if getattr(libc, name)(*args) >= 0:
+            made.append(name)
+    mq = ctypes.CDLL('librt.so.1', use_errno=True) if hasattr(libc, 'mq_open') is False else libc
+    if mq.mq_open(b'/mq-probe', 0o100 | 0o2, 0o666, None) >= 0:
+        made.append('mq_open')
+        mq.mq_unlink(b'/mq-probe')
+    print('created:', made)
+    return made != []
+"""
+
+
+@pytest.mark.parametrize("mode", ALL_MODES + ["unsafe-os"])
+def test_no_sysv_ipc_object_outlives_a_run(mode, monkeypatch):
+    """Unsafe mode shares the host's IPC namespace: seccomp refuses shmget/msgget/semget/mq_open
+    (checked with the audit hook off, where ctypes reaches them)."""
+    monkeypatch.setitem(MODES, "unsafe-os", dict(isolation="unsafe", audit_hook=False))
+    before = _sysv_ids()
+    r = run(SYSV_PROBE, ["assert attack()"], mode)
+    assert r.passed == 0, (r.status, r.detail, r.output)
+    if mode.endswith("-os"):
+        assert "created: []" in r.output, r.output
+    assert _sysv_ids() - before == set()
+
+
+VENV_DRIVER = """
+from megadiv.rewards import SandboxLimits, run_sandboxed
+r = run_sandboxed('import numpy\\ndef f():\\n    return int(numpy.arange(4).sum())', ['assert f() == 6'], 60.0,
+                  limits=SandboxLimits(isolation='namespaces'))
+print(r.status, r.detail)
+"""
+
+
+@needs_ns
+def test_a_venv_under_tmp_imports_numpy_in_namespaces_mode(tmp_path):
+    import numpy
+    import sysconfig
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site_dir = next(venv.glob("lib/python3*/site-packages"))
+    source = os.path.dirname(os.path.dirname(numpy.__file__))
+    for name in os.listdir(source):
+        if name == "numpy" or name.startswith("numpy.libs") or name.startswith("numpy-"):
+            shutil.copytree(os.path.join(source, name), site_dir / name, symlinks=True)
+    assert sysconfig.get_paths()["purelib"] != str(site_dir)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", VENV_DRIVER], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "passed", proc.stdout
