@@ -885,17 +885,16 @@ def _sysv_ids() -> set[str]:
 
 
 SYSV_PROBE = """
-import ctypes, errno
+import ctypes
 def attack():
     libc = ctypes.CDLL(None, use_errno=True)
     made = []
     for name, args in (('shmget', (0, 16 << 20, 0o1666)), ('msgget', (0, 0o1666)), ('semget', (0, 1, 0o1666))):
         if getattr(libc, name)(*args) >= 0:
             made.append(name)
-    mq = ctypes.CDLL('librt.so.1', use_errno=True) if hasattr(libc, 'mq_open') is False else libc
-    if mq.mq_open(b'/mq-probe', 0o100 | 0o2, 0o666, None) >= 0:
+    if libc.mq_open(b'/mq-probe', 0o100 | 0o2, 0o666, None) >= 0:  # O_CREAT | O_RDWR (glibc 2.34+ has it)
         made.append('mq_open')
-        mq.mq_unlink(b'/mq-probe')
+        libc.mq_unlink(b'/mq-probe')
     print('created:', made)
     return made != []
 """
@@ -924,8 +923,9 @@ print(r.status, r.detail)
 
 @needs_ns
 def test_a_venv_under_tmp_imports_numpy_in_namespaces_mode(tmp_path):
-    import numpy
     import sysconfig
+
+    import numpy
 
     assert str(tmp_path).startswith("/tmp/")
     venv = tmp_path / "venv"

@@ -38,7 +38,7 @@ def build_root(p: dict) -> None:
           f"size={p['tmpfs_mb']}m,nr_inodes=4096,mode=700,uid={uid},gid={uid}")
     for dest, target in links:
         os.symlink(target, dest)
-    for path, real, fd in binds:
+    for path, _, fd in binds:
         dest = NEW_ROOT + path
         os.makedirs(dest, mode=0o755, exist_ok=True)
         mount(f"/proc/self/fd/{fd}", dest, None, MS_BIND)
