@@ -66,6 +66,9 @@ def plan_test(source: str, setup: str = "", program_names: tuple[str, ...] = ())
     grader_names = (BUILTIN_NAMES | set(JUDGE_MODULES) | setup_imports(setup)[1]) - set(program_names)
     splitter = _Splitter(grader_names, _bound_names(tree))
     expr = splitter.visit_expr(tree.body[0].test, truth=True)
+    if not splitter.leaves:  # its verdict would not depend on the program: every program would pass (or fail)
+        raise UnsplittableTest(f"{source!r} makes no call into the program (a builtin of the same name is "
+                               "Python's unless the record's program_names says the program defines it)")
     modules = sorted({n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and n.id in JUDGE_MODULES})
     return TestPlan(source, tuple(splitter.leaves), tuple(splitter.truth), ast.unparse(expr), tuple(modules))
 

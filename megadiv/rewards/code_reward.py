@@ -60,7 +60,7 @@ class CodeReward:
 
     def __init__(self, workers: int, timeout_s: float, partial_credit: bool, limits: SandboxLimits):
         self.timeout_s, self.partial_credit, self.limits = timeout_s, partial_credit, limits
-        probe = run_sandboxed("", ["assert True"], max(timeout_s, 30.0), limits=limits)
+        probe = run_sandboxed("def ok():\n    return True", ["assert ok()"], max(timeout_s, 30.0), limits=limits)
         if probe.status != "passed":
             raise SandboxError(f"the sandbox cannot run a trivial program: {probe.status} ({probe.detail})")
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megadiv-sandbox")

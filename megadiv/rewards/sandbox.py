@@ -257,6 +257,9 @@ def _run(program: str, plans: list[TestPlan], setup: str, timeout_s: float, limi
         passed = 0
         if tests is not None:
             status, passed, detail = judge_results(plans, tests, judge, setup, start + timeout_s)
+    except Exception as e:  # noqa: BLE001 - a score for any program: whatever it sent that breaks grading is 0
+        judge.healthy = False
+        status, passed, detail = "crashed", 0, f"grading failed on the program's results ({type(e).__name__})"
     finally:
         judge.release()
     text = streams[out_fd].decode("utf-8", "replace")

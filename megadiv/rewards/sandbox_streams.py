@@ -13,6 +13,10 @@ from typing import Optional
 from megadiv.rewards.grading import small_object
 
 CONTROL_BYTES = 1 << 16  # the trusted control pipe's cap
+# Deepest JSON a genuine results line holds: the harness's encoder caps values at 64 levels (each
+# at most two JSON levels: {"T": ..., "v": [...]}), inside the event object and its value list.
+# Deeper values are forged; refused here, they never reach the judge's re-encoding (RecursionError).
+MAX_JSON_DEPTH = 2 * 64 + 4
 
 
 def collect(proc: subprocess.Popen, caps: dict[int, int], line_cap: int, deadline: float):
@@ -121,5 +125,18 @@ def parse_results(raw: bytes, nonce: str) -> tuple[list[dict], str]:
             return [], f"line {n}: not JSON ({type(e).__name__})"
         if not isinstance(ev, dict) or ev.get("n") != nonce:
             return [], f"line {n}: not from the harness"
+        if json_depth(ev) > MAX_JSON_DEPTH:
+            return [], f"line {n}: nested deeper than the harness's encoder allows"
         events.append(ev)
     return events, ""
+
+
+def json_depth(value) -> int:
+    """Nesting depth of parsed JSON (iterative: no recursion to exhaust)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (list, dict)):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest

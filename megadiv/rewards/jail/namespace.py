@@ -15,34 +15,43 @@ def build_root(p: dict) -> None:
     empty read-only tmpfs; /proc is this PID namespace's; /dev has null, zero, urandom and random;
     /tmp is a size-capped tmpfs owned by the program's uid."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
-    mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    bound = []  # (path in the new root, real path) already visible
+    # Everything is looked up and opened before the tmpfs covers NEW_ROOT (/tmp): a Python path under
+    # /tmp (a virtualenv there) is bound through its descriptor, not silently missed.
+    links, binds, covers = [], [], []  # (dest, link target); (path, real, O_PATH fd); tmpfs over hidden
     for path in SYSTEM_PATHS + tuple(p["python_paths"]):
-        real, dest = os.path.realpath(path), NEW_ROOT + path
+        real = os.path.realpath(path)
         if os.path.islink(path) and path in SYSTEM_PATHS:  # merged /usr: recreate /bin -> usr/bin
-            os.symlink(os.readlink(path), dest)
+            links.append((NEW_ROOT + path, os.readlink(path)))
             continue
-        if not os.path.exists(path) or any(real == b or real.startswith(b.rstrip("/") + "/") for _, b in bound):
+        if not os.path.exists(path) or any(real == b or real.startswith(b.rstrip("/") + "/") for _, b, _ in binds):
             continue  # absent, or already reachable (e.g. a venv's lib64 -> lib once the venv is bound)
-        os.makedirs(dest, mode=0o755, exist_ok=True)
-        mount(real, dest, None, MS_BIND)
-        mount(None, dest, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        bound.append((path, real))
+        binds.append((path, real, os.open(real, os.O_PATH | os.O_CLOEXEC)))
     for hidden in map(os.path.realpath, p["hidden"]):
-        for path, real in bound:
+        for path, real, _ in binds:
             if os.path.isdir(hidden) and (hidden == real or hidden.startswith(real.rstrip("/") + "/")):
-                mount("tmpfs", NEW_ROOT + path + hidden[len(real):], "tmpfs",
-                      MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=1,mode=555")
+                covers.append(NEW_ROOT + path + hidden[len(real):])
+    mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    # The program's /tmp first: a Python path under /tmp is then bound inside it, not covered by it.
+    os.makedirs(NEW_ROOT + "/tmp")
+    uid = p["uid"]
+    mount("tmpfs", NEW_ROOT + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={p['tmpfs_mb']}m,nr_inodes=4096,mode=700,uid={uid},gid={uid}")
+    for dest, target in links:
+        os.symlink(target, dest)
+    for path, _, fd in binds:
+        dest = NEW_ROOT + path
+        os.makedirs(dest, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", dest, None, MS_BIND)
+        mount(None, dest, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+    for dest in covers:
+        mount("tmpfs", dest, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=1,mode=555")
     os.makedirs(NEW_ROOT + "/proc")
     mount("proc", NEW_ROOT + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this PID namespace only
     os.makedirs(NEW_ROOT + "/dev")
     for dev in DEVICES:
         open(f"{NEW_ROOT}/dev/{dev}", "w").close()
         mount(f"/dev/{dev}", f"{NEW_ROOT}/dev/{dev}", None, MS_BIND)
-    os.makedirs(NEW_ROOT + "/tmp")
-    uid = p["uid"]
-    mount("tmpfs", NEW_ROOT + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={p['tmpfs_mb']}m,nr_inodes=4096,mode=700,uid={uid},gid={uid}")
     os.chroot(NEW_ROOT)
     os.chdir("/")
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)  # the skeleton itself

@@ -24,6 +24,8 @@ from .libc import (
 # keyrings, perf, module loading, kexec), clock/system administration, and socket() of every
 # family: no network, no unix-domain socket of the host, no vsock or netlink (a program needs none;
 # unsafe mode has no network namespace, so this is its network guard below the audit hook).
+# SysV IPC and POSIX message queues: in unsafe mode they are the host's (no IPC namespace) and their
+# objects outlive the run (pinned memory no rlimit bounds), so none may be created or reached.
 # clone3 answers ENOSYS so that libc falls back to clone, whose flags the filter can see (clone3
 # passes them in memory).
 _DENY_NAMES = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
@@ -33,7 +35,9 @@ _DENY_NAMES = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
                "keyctl", "add_key", "request_key", "perf_event_open",
                "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
                "open_by_handle_at", "name_to_handle_at", "syslog", "acct", "quotactl", "reboot",
-               "swapon", "swapoff", "settimeofday", "clock_settime", "adjtimex", "personality", "socket")
+               "swapon", "swapoff", "settimeofday", "clock_settime", "adjtimex", "personality", "socket",
+               "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
+               "semtimedop", "semctl", "mq_open", "mq_unlink")
 _SYSCALLS = {
     # AUDIT_ARCH_X86_64: arch/x86/entry/syscalls/syscall_64.tbl
     0xC000003E: dict(ptrace=101, process_vm_readv=310, process_vm_writev=311, pidfd_getfd=438, kcmp=312,
@@ -44,7 +48,9 @@ _SYSCALLS = {
                      kexec_load=246, kexec_file_load=320, init_module=175, finit_module=313, delete_module=176,
                      open_by_handle_at=304, name_to_handle_at=303, syslog=103, acct=163, quotactl=179,
                      reboot=169, swapon=167, swapoff=168, settimeofday=164, clock_settime=227, adjtimex=159,
-                     personality=135, socket=41, clone=56, clone3=435, prctl=157),
+                     personality=135, socket=41, shmget=29, shmat=30, shmctl=31, msgget=68, msgsnd=69,
+                     msgrcv=70, msgctl=71, semget=64, semop=65, semtimedop=220, semctl=66, mq_open=240,
+                     mq_unlink=241, clone=56, clone3=435, prctl=157),
     # AUDIT_ARCH_AARCH64: include/uapi/asm-generic/unistd.h
     0xC00000B7: dict(ptrace=117, process_vm_readv=270, process_vm_writev=271, pidfd_getfd=438, kcmp=272,
                      mount=40, umount2=39, pivot_root=41, chroot=51, unshare=97, setns=268,
@@ -54,7 +60,9 @@ _SYSCALLS = {
                      kexec_load=104, kexec_file_load=294, init_module=105, finit_module=273, delete_module=106,
                      open_by_handle_at=265, name_to_handle_at=264, syslog=116, acct=89, quotactl=60,
                      reboot=142, swapon=224, swapoff=225, settimeofday=170, clock_settime=112, adjtimex=171,
-                     personality=92, socket=198, clone=220, clone3=435, prctl=167),
+                     personality=92, socket=198, shmget=194, shmat=196, shmctl=195, msgget=186, msgsnd=189,
+                     msgrcv=188, msgctl=187, semget=190, semop=193, semtimedop=192, semctl=191, mq_open=180,
+                     mq_unlink=181, clone=220, clone3=435, prctl=167),
 }
 _MACHINE_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # (CLONE_NEWTIME is unshare/clone3 only: for clone its bit is part of the exit signal; unshare is denied.)
