@@ -49,6 +49,7 @@ from megadiv.rollout.engine import (
 )
 from megadiv.rollout.sglang_engine import SGLangEngine
 from megadiv.rollout.sglang_server import TrainerMemory
+from megadiv.rollout.stream import WaveStream
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,10 @@ class FleetEngine:
             late = [m.urls[0] for (m, _), f in zip(jobs, futures) if f not in done]
             raise RolloutError(f"{what}: no answer from {late} within rollout.request_timeout_s")
         return [x for f in futures for x in f.result()]
+
+    def open_stream(self, params: SamplingParams) -> WaveStream:
+        """Groups generated in waves, one generate call each (rollout/stream.py)."""
+        return WaveStream(self, params)
 
     # ------------------------------------------------------------------ weights
 

@@ -46,6 +46,7 @@ from megadiv.rollout.engine import (
     check_prompts,
 )
 from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, TrainerMemory, place_server
+from megadiv.rollout.stream import WaveStream
 from megadiv.rollout.weight_sync import (
     BroadcastGroup,
     Peer,
@@ -156,6 +157,10 @@ class SGLangEngine:
                                        f"{self.server.log_tail()}") from None
             except RolloutError as e:
                 raise RolloutError(f"{what} failed: {e}" + self._log_hint()) from None
+
+    def open_stream(self, params: SamplingParams) -> WaveStream:
+        """Groups generated in waves, one generate call each (rollout/stream.py)."""
+        return WaveStream(self, params)
 
     # ------------------------------------------------------------------ weights
 

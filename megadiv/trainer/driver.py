@@ -199,10 +199,9 @@ class RolloutDriver:
                                 self.sampling.max_new_tokens, g.overlong_buffer, g.overlong_penalty,
                                 g.mask_truncated, self.served_step)
 
-    def quiesce(self, step: int) -> list[str] | None:
+    def quiesce(self, step: int) -> None:
         """Before the weights of ``step`` are pushed: wait for the batch in flight (the old
-        weights finish it), then let the ranks start the export. Returns the servers still in the
-        fleet (None for an in-process engine)."""
+        weights finish it), then let the ranks start the export."""
         try:
             if self._job is not None:
                 self._job.result()
@@ -210,7 +209,6 @@ class RolloutDriver:
             self.handoff.fail(f"push/{step}", e)
             raise
         self.handoff.publish(f"push/{step}")
-        return getattr(self.engine, "urls", None)
 
     def served(self, step: int) -> None:
         """The engine now serves the weights of ``step``."""

@@ -88,7 +88,8 @@ class Rollout:
         the old weights finish. Views of the parameters where the embedded engine shares them (no
         copy, no communication), else the collective export."""
         waited = time.perf_counter()
-        live = self.driver.quiesce(step) if self.driver else None
+        if self.driver:
+            self.driver.quiesce(step)
         self.handoff.wait(f"push/{step}")
         waited = time.perf_counter() - waited
         views = actor.hf_weight_views() if shares_weights(self.cfg) else None
@@ -96,8 +97,6 @@ class Rollout:
         if self.engine is None:
             drain(buckets)
             return {}
-        if live is not None:
-            self.engine.keep_only(live)  # servers the driver dropped (dead, hung) get no push
         report = (self.engine.update_weights(buckets, version_name(step), share=True) if views is not None
                   else self.engine.update_weights(buckets, version_name(step)))
         if self.driver:
