@@ -31,11 +31,6 @@ class Experience:
     def __len__(self) -> int:
         return len(self.responses)
 
-    def select(self, index: slice) -> "Experience":
-        return Experience(self.prompts[index], self.responses[index], self.rollout_logprobs[index],
-                          self.rewards[index], self.advantages[index], self.in_loss[index], self.metrics,
-                          self.policy_version)
-
     def state_dict(self) -> dict:
         """Plain lists, tensors and numbers (what a checkpoint's torch.load(weights_only=True) reads)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
