@@ -46,13 +46,14 @@ def runs(tmp_path_factory):
     return run_torchrun("tests.dist.response_logits:response_vs_full", 2, timeout_s=900, args={"hf_dir": str(hf_dir)})
 
 
-# Observed, response-only vs every position (float32 weights): log-probs bit-identical, metrics
-# <= 7.7e-7 relative; gradients <= 4.2e-7 absolute (the tied output weight's, a sum over the rows
+# Observed, response-only vs every position (float32 weights): log-probs bit-identical on an Intel
+# Xeon, one float32 ulp apart on an AMD EPYC (4.8e-7 at |log p| in [4, 8): its kernels round the
+# output layer's rows of another shape otherwise), metrics <= 7.7e-7 relative; gradients <= 4.2e-7 absolute (the tied output weight's, a sum over the rows
 # the output layer saw: n rows here, every position there, zeros included, in another order).
 # (float64 is out of reach here: megadiv's Megatron models are float32 or half, and the log-probs
 # upcast to float32.)
 METRIC_TOL = dict(rel=1e-6, abs=1e-9)
-LOGP_ATOL, GRAD_ATOL = 1e-7, 1e-6
+LOGP_ATOL, GRAD_ATOL = 1e-6, 1e-6  # log-probs: two ulps at |log p| < 8
 
 
 @pytest.mark.slow
