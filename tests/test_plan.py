@@ -140,9 +140,11 @@ def test_32b_recipes_fit_on_8_gpu_nodes_of_80_gb(capsys, model, algorithm, nodes
 
 def test_logits_are_planned_at_the_response_positions_only(capsys):
     """The output layer sees only the positions that predict response tokens (models/output.py):
-    the planned logits do not grow with the prompt, and grow linearly with rollout.max_new_tokens."""
+    the planned logits do not grow with the prompt, and grow linearly with rollout.max_new_tokens
+    (fixed micro-batches: under the recipe's token budget a longer prompt leaves fewer rows)."""
     def components(prompt_tokens: int, *overrides: str) -> dict:
-        rc, out, err = plan_cli(capsys, *recipe_args("qwen3-32b", "dapo", 2), *overrides,
+        rc, out, err = plan_cli(capsys, *recipe_args("qwen3-32b", "dapo", 2), "grpo.max_tokens_per_micro_batch=null",
+                                "grpo.pack_sequences=false", *overrides,
                                 "--prompt-tokens", str(prompt_tokens), "--json")
         assert rc == 0, err
         return json.loads(out)["stages"][-1]["components"]  # the last stage holds the logits

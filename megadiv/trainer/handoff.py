@@ -51,14 +51,16 @@ class ReplicaRows:
 
     @classmethod
     def from_experience(cls, exp: Experience, rows: list[int]) -> "ReplicaRows":
+        host = torch.device("cpu")  # a payload is built in host memory, whatever device trains on it
         prompts, responses = [exp.prompts[i] for i in rows], [exp.responses[i] for i in rows]
-        index = torch.tensor(rows, dtype=torch.long)
-        return cls(index, torch.tensor([len(p) for p in prompts], dtype=torch.int32),
-                   torch.tensor([len(r) for r in responses], dtype=torch.int32),
-                   torch.tensor([t for p, r in zip(prompts, responses) for t in (*p, *r)], dtype=torch.int32),
-                   torch.tensor([v for i in rows for v in exp.rollout_logprobs[i]], dtype=torch.float32),
+        index = torch.tensor(rows, dtype=torch.long, device=host)
+        return cls(index, torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=host),
+                   torch.tensor([len(r) for r in responses], dtype=torch.int32, device=host),
+                   torch.tensor([t for p, r in zip(prompts, responses) for t in (*p, *r)], dtype=torch.int32,
+                                device=host),
+                   torch.tensor([v for i in rows for v in exp.rollout_logprobs[i]], dtype=torch.float32, device=host),
                    exp.advantages[index].float(), exp.in_loss[index].float(), exp.rewards.float(),
-                   torch.tensor(exp.policy_version))
+                   torch.tensor(exp.policy_version, device=host))
 
     def __len__(self) -> int:
         return len(self.row_index)

@@ -14,6 +14,7 @@ from megadiv.rollout import ProbeBatch
 from megadiv.trainer import grpo
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience
+from megadiv.trainer.handoff import ReplicaRows
 from megadiv.policy.objectives import grpo_objective
 from megadiv.policy.batches import SequenceBatch
 from megadiv.policy.megatron import Policy
@@ -74,7 +75,9 @@ def _grpo_step(hf_dir: str, guarded: bool, overrides: list[str] = ()) -> dict:
     params = [p for policy in (actor, reference) for c in policy.chunks for p in c.parameters()]
     guard = DeviceGuard(params) if guarded else contextlib.nullcontext()
     with guard:
-        metrics = grpo._optimize(cfg, actor, reference, exp, info, pad_id=0)
+        per = len(exp) // info.dp_size  # this replica's rows, as the hand-off deals them at one rank
+        rows = ReplicaRows.from_experience(exp, list(range(info.dp_rank * per, (info.dp_rank + 1) * per)))
+        metrics = grpo._optimize(cfg, actor, reference, rows, pad_id=0)
         probe_lp = grpo._probe_logprobs(actor, probe)
     return {"violations": guard.violations if guarded else None, "metrics": metrics, "probe": probe_lp,
             "actor": actor}
