@@ -43,6 +43,16 @@ def _config(hf_dir: str, tp: int, pp: int) -> TrainConfig:
                        rollout=RolloutConfig(n_samples=G), advantage=AdvantageConfig(group_size=G))
 
 
+def _stores(rank: int) -> tuple[Handoff | None, Handoff]:
+    """Rank 0 hosts the driver's store (as the driver does); every rank connects a client to it."""
+    address, driver_side = [None], None
+    if rank == 0:
+        driver_side, port = Handoff.host(timeout_s=60)
+        address = [("127.0.0.1", port)]
+    dist.broadcast_object_list(address, src=0)
+    return driver_side, Handoff.connect(*address[0], timeout_s=60)
+
+
 def scatter_and_train(ctx):
     """Two steps: rank 0 publishes each batch (the driver's side), every rank receives its
     replica's rows (handoff.receive) and trains on them (grpo._optimize, mini-batches of the
@@ -54,12 +64,7 @@ def scatter_and_train(ctx):
     a = ctx.args
     cfg = _config(a["hf_dir"], a["tp"], a["pp"])
     info = initialize(cfg.parallel, seed=1)
-    address = [None]
-    if info.rank == 0:
-        driver_side, port = Handoff.host(timeout_s=60)
-        address = [("127.0.0.1", port)]
-    dist.broadcast_object_list(address, src=0)
-    handoff = Handoff.connect(*address[0], timeout_s=60)
+    driver_side, handoff = _stores(info.rank)
     replica, source = replica_group(info, cfg.parallel.timeout_s)
     balanced = Policy(cfg.model, cfg.parallel, "actor", SGD, total_steps=2)
     contiguous = Policy(cfg.model, cfg.parallel, "actor", SGD, total_steps=2)
@@ -101,12 +106,7 @@ def waits_outlive_the_collective_timeout(ctx):
     written fails its wait at handoff_timeout_s, naming it."""
     timeout_s = 3.0
     info = initialize(ParallelConfig(timeout_s=timeout_s), seed=1)
-    address = [None]
-    if info.rank == 0:
-        driver_side, port = Handoff.host(timeout_s=60)
-        address = [("127.0.0.1", port)]
-    dist.broadcast_object_list(address, src=0)
-    handoff = Handoff.connect(*address[0], timeout_s=60)
+    driver_side, handoff = _stores(info.rank)
     out = {}
     start = time.monotonic()
     if info.rank == 0:
@@ -124,7 +124,7 @@ def waits_outlive_the_collective_timeout(ctx):
             out["hang"] = str(e).splitlines()[0]
         out["hang_s"] = time.monotonic() - start
         try:
-            Handoff.connect(*address[0], timeout_s=2).wait("never/written")
+            Handoff(handoff.store, timeout_s=2).wait("never/written")
         except RolloutError as e:
             out["missing"] = str(e)
     else:
