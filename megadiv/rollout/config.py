@@ -35,10 +35,10 @@ class RolloutConfig:
     # -- SGLang servers --
     server_urls: tuple[str, ...] = ()
     """Attach to these running servers (``http://host:port``, any node) instead of launching any;
-    with several, each rollout batch is spread over them by prompt groups (docs/rollout.md)."""
+    with several, each GRPO group goes to the least-loaded one (docs/rollout.md)."""
     num_servers: int = 1
     """Servers to launch on this node when ``server_urls`` is empty (each ``server_tp`` GPUs);
-    with several, each rollout batch is spread over them by prompt groups."""
+    with several, each GRPO group goes to the least-loaded one."""
     server_tp: int = 1
     """Tensor-parallel size of a launched server (GPU only; CPU servers run TP=1)."""
     mem_fraction_static: float = 0.8
@@ -59,6 +59,15 @@ class RolloutConfig:
     """Limit for one generate/score HTTP request (a whole batch of completions)."""
     shutdown_grace_s: float = 10.0
     """SIGTERM -> SIGKILL grace period when stopping a launched server."""
+    max_inflight_groups: int | None = None
+    """GRPO groups one server generates at once (one request each); the rest wait in the trainer's
+    stream and go to whichever server frees a slot first, so a slow server takes fewer. None: what
+    the server's batch holds, its max_running_requests / n_samples (docs/rollout.md)."""
+    heartbeat_s: float = 10.0
+    """While groups are generated, every server (launched or attached) answers /health_generate
+    this often; one that misses it is dropped from the fleet and its groups are sent elsewhere."""
+    heartbeat_timeout_s: float = 60.0
+    """Longest a server may take to answer one heartbeat (a 1-token generation when idle)."""
 
     handoff_timeout_s: float = 7200.0
     """Longest a trainer rank waits for the rollout driver: a batch, the engine going quiet before a
@@ -105,6 +114,8 @@ class RolloutConfig:
                     "probe_prompt_len", "probe_response_len"):
             if getattr(self, key) < 1:
                 fail(key, "must be >= 1")
+        if self.max_inflight_groups is not None and self.max_inflight_groups < 1:
+            fail("max_inflight_groups", "must be >= 1 (or null: the server's batch size / n_samples)")
         if self.temperature < 0:
             fail("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -116,7 +127,7 @@ class RolloutConfig:
         if not 0 < self.mem_fraction_static < 1:
             fail("mem_fraction_static", "must lie in (0, 1)")
         for key in ("startup_timeout_s", "request_timeout_s", "shutdown_grace_s", "sync_timeout_s", "handoff_timeout_s",
-                    "mismatch_threshold", "mismatch_threshold_fp8"):
+                    "heartbeat_s", "heartbeat_timeout_s", "mismatch_threshold", "mismatch_threshold_fp8"):
             if getattr(self, key) <= 0:
                 fail(key, "must be > 0")
         for url in self.server_urls:

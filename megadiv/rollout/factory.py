@@ -42,8 +42,5 @@ def make_engine(cfg: RolloutConfig, hf_dir: str, trainer_memory: TrainerMemory |
         return RankSplitEngine(engine, group) if group is not None and dist.get_rank(group) == 0 else engine
     if group is not None:
         raise ValueError(f"generation on every rank needs the embedded engine, not {resolve_engine_name(cfg)!r}")
-    if len(cfg.server_urls) > 1 or cfg.num_servers > 1:
-        from megadiv.rollout.fleet import FleetEngine
-        return FleetEngine(hf_dir, cfg, trainer_memory)
-    from megadiv.rollout.sglang_engine import SGLangEngine
-    return SGLangEngine(hf_dir, cfg, trainer_memory)
+    from megadiv.rollout.fleet import FleetEngine
+    return FleetEngine(hf_dir, cfg, trainer_memory)  # one server or several: the same routing

@@ -1,16 +1,20 @@
-"""FleetEngine: several SGLang servers behind the one rollout protocol.
+"""FleetEngine: SGLang servers (one or several) behind the one rollout protocol.
 
-    rollout: {engine: sglang, num_servers: 4}                                   # launched here
+    rollout: {engine: sglang}                                                   # one, launched here
+    rollout: {engine: sglang, num_servers: 4}                                   # four, launched here
     rollout: {engine: sglang, server_urls: [http://node7:30000, http://node8:30000]}  # attached
 
 Each server is driven by its own single-server :class:`SGLangEngine` (a *member*), so everything
-one server does (launch, health, timeouts, errors naming it, its weight-update session) stays in
-that class; the fleet only fans work out and gathers it back:
+one server does (launch, timeouts, errors naming it, its weight-update session) stays in that
+class; the fleet routes work to them and gathers it back:
 
-- **generate / score**: the prompts are cut into one contiguous slice per member, by prompt, so
-  the ``n`` samples of a prompt (a GRPO group) always come from one server; the slices run
-  concurrently and the results are concatenated in prompt order. The first member to fail fails
-  the call, with its error (which names its server), without waiting for the others.
+- **generation** is a stream of GRPO groups (fleet_stream.py): one request per group, sent to
+  the least-loaded live server, every server heartbeated, a lost server dropped (:meth:`drop`)
+  and its groups re-sent to the others. ``generate`` (evaluation) is the same stream over its
+  prompts, answered in prompt order; the rollout driver keeps one open per batch (open_stream).
+- **score** (the probe check): the prompts are cut into one contiguous slice per member, scored
+  concurrently and concatenated in order. The first member to fail fails the call, with its error
+  (which names its server), without waiting for the others.
 - **update_weights**: every bucket goes to every member. *One process group per server*: each
   member runs its own sync (its own broadcast group, session and timeouts) in its own thread, fed
   the same bucket objects through a bounded queue, so buckets are produced once and at most
@@ -47,9 +51,9 @@ from megadiv.rollout.engine import (
     check_prompts,
     split_evenly,
 )
+from megadiv.rollout.fleet_stream import FleetStream
 from megadiv.rollout.sglang_engine import SGLangEngine
 from megadiv.rollout.sglang_server import TrainerMemory
-from megadiv.rollout.stream import WaveStream
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +78,23 @@ class FleetEngine:
         futures = [self._pool.submit(SGLangEngine, hf_dir, c, trainer_memory, i) for i, c in enumerate(configs)]
         wait(futures)
         started = [f.result() for f in futures if f.exception() is None]
-        failed = [f.exception() for f in futures if f.exception() is not None]
-        if failed:
+        failed = {c.server_urls[0] if c.server_urls else f"server {i}": f.exception()
+                  for i, (c, f) in enumerate(zip(configs, futures)) if f.exception() is not None}
+        # an attached server that does not answer (a dead node at a restart) is left out, in one line;
+        # a server that fails to launch here is a broken setup, and fails the run
+        if failed and (not cfg.server_urls or not started):
             for engine in started:
                 engine.shutdown()
             self._pool.shutdown(wait=False)
-            raise failed[0]
+            raise next(iter(failed.values()))
         self.members: dict[str, SGLangEngine] = {e.urls[0]: e for e in started}
-        """Member engines by server URL, in the order prompts are assigned to them."""
+        """The live member engines by server URL, in the order ties in load are broken."""
+        self.dropped: dict[str, str] = {url: _short(e) for url, e in failed.items()}
+        """Servers dropped from the fleet, and why."""
+        for url, why in self.dropped.items():
+            log.warning("rollout fleet: left out %s, which does not answer (%s); serving on %s", url, why,
+                        list(self.members))
+        self._paused = False
         log.info("rollout fleet of %d SGLang servers: %s", len(self.members), list(self.members))
 
     @property
@@ -91,8 +104,19 @@ class FleetEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """The ``params.n`` completions of each prompt, in prompt order, through one stream."""
         check_prompts(prompts)
-        return self._spread(len(prompts), lambda m, s: m.generate(prompts[s], params), "generate")
+        stream = self.open_stream(params)
+        groups = {}
+        try:
+            for i, prompt in enumerate(prompts):
+                stream.submit(i, prompt)
+            while stream.pending:
+                group = stream.next_done()
+                groups[group.key] = group.completions
+        finally:
+            stream.close()
+        return [groups[i] for i in range(len(prompts))]
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         check_prompts(prompts)
@@ -114,9 +138,21 @@ class FleetEngine:
             raise RolloutError(f"{what}: no answer from {late} within rollout.request_timeout_s")
         return [x for f in futures for x in f.result()]
 
-    def open_stream(self, params: SamplingParams) -> WaveStream:
-        """Groups generated in waves, one generate call each (rollout/stream.py)."""
-        return WaveStream(self, params)
+    def open_stream(self, params: SamplingParams) -> FleetStream:
+        """A stream of GRPO groups over the live servers (fleet_stream.py)."""
+        if self._paused:
+            raise RolloutError("the engine is paused: call resume() before generating")
+        return FleetStream(self, params)
+
+    def drop(self, url: str, why: str) -> None:
+        """Take ``url`` out of the fleet (a launched server is stopped): it failed its heartbeat or
+        its requests (FleetStream), or the driver process dropped it from its own fleet."""
+        member = self.members.pop(url, None)
+        if member is None:
+            return
+        self.dropped[url] = why
+        log.warning("rollout fleet: dropped %s (%s); serving on %s", url, why, list(self.members))
+        member.shutdown()
 
     # ------------------------------------------------------------------ weights
 
@@ -152,10 +188,12 @@ class FleetEngine:
     def pause(self) -> None:
         for m in self.members.values():
             m.pause()
+        self._paused = True
 
     def resume(self) -> None:
         for m in self.members.values():
             m.resume()
+        self._paused = False
 
     @property
     def weight_version(self) -> str:

@@ -46,7 +46,6 @@ from megadiv.rollout.engine import (
     check_prompts,
 )
 from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, TrainerMemory, place_server
-from megadiv.rollout.stream import WaveStream
 from megadiv.rollout.weight_sync import (
     BroadcastGroup,
     Peer,
@@ -107,15 +106,10 @@ class SGLangEngine:
         check_prompts(prompts)
         self._check_not_paused()
         flat = [list(p) for p in prompts for _ in range(params.n)]  # [prompt0 x n, prompt1 x n, ...]
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
+        sampling = sampling_payload(params)
         outs = self._scatter(flat, lambda ids: {"input_ids": ids, "sampling_params": sampling, "return_logprob": True},
                              "generate")
-        completions = [Completion(token_ids=list(o["output_ids"]),
-                                  logprobs=[float(x[0]) for x in o["meta_info"]["output_token_logprobs"]],
-                                  finish_reason=_finish_reason(o["meta_info"]["finish_reason"]),
-                                  weight_version=o["meta_info"].get("weight_version", "default"))
-                       for o in outs]
+        completions = [parse_completion(o) for o in outs]
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -157,10 +151,6 @@ class SGLangEngine:
                                        f"{self.server.log_tail()}") from None
             except RolloutError as e:
                 raise RolloutError(f"{what} failed: {e}" + self._log_hint()) from None
-
-    def open_stream(self, params: SamplingParams) -> WaveStream:
-        """Groups generated in waves, one generate call each (rollout/stream.py)."""
-        return WaveStream(self, params)
 
     # ------------------------------------------------------------------ weights
 
@@ -296,6 +286,8 @@ class SGLangEngine:
             r = requests.get(url + path, timeout=60)
             r.raise_for_status()
             return r.json()
+        except requests.ConnectionError as e:
+            raise RolloutError(f"{url}{path}: server unreachable (dead?): {e}" + self._log_hint()) from None
         except requests.RequestException as e:
             raise RolloutError(f"{url}{path}: {e}" + self._log_hint()) from None
 
@@ -319,6 +311,20 @@ def resolve_sync_method(cfg: RolloutConfig, gpu: GpuPlacement | None) -> str:
                          f"of one group on one GPU; use sync_method 'tensor' (or 'auto'), or leave GPUs free "
                          f"for the server")
     return cfg.sync_method
+
+
+def sampling_payload(params: SamplingParams) -> dict:
+    """``params`` as SGLang's ``sampling_params`` (one sample per sequence: n is the caller's)."""
+    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
+
+
+def parse_completion(out: dict) -> Completion:
+    """One sequence of a /generate answer (requested with return_logprob)."""
+    meta = out["meta_info"]
+    return Completion(token_ids=list(out["output_ids"]), logprobs=[float(x[0]) for x in meta["output_token_logprobs"]],
+                      finish_reason=_finish_reason(meta["finish_reason"]),
+                      weight_version=meta.get("weight_version", "default"))
 
 
 def _post_generate(url: str, payload: dict, timeout_s: float) -> list[dict]:

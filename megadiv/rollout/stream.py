@@ -8,13 +8,14 @@ groups back as they finish, abort what is left once a step has enough.
 
 The rollout driver (trainer/driver.py) keeps as many groups in flight as the step still needs
 (over-sampling with dynamic sampling) and grades each group the moment it is back, so rewards run
-beside generation. Every engine opens a :class:`WaveStream` today: the groups submitted since
-the last wave are generated in one batch ``generate`` call (what the embedded engine is fast at;
-an SGLang fleet spreads the call over its servers by prompt groups), then handed back one by one.
-Nothing is in flight between calls, so aborting drops the queue. A stream over SGLang servers that
-sends one request per group to the least-loaded healthy server, heartbeats them, re-sends a lost
-server's groups and aborts the rest with ``/abort_request`` implements the same protocol; it is
-not written yet.
+beside generation. Two streams implement the protocol:
+
+- :class:`megadiv.rollout.fleet_stream.FleetStream` (SGLang servers): one request per group to
+  the least-loaded healthy server, heartbeats, a lost server's groups re-sent, the rest aborted
+  with ``/abort_request``;
+- :class:`WaveStream` (the embedded engine): the groups submitted since the last wave are
+  generated in one batch ``generate`` call (what an in-process engine is fast at), then handed
+  back one by one. Nothing is in flight between calls, so aborting drops the queue.
 """
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from megadiv.data import PromptSampler, PromptTemplate, load_dataset
 from megadiv.evaluation import EvalSampling, EvalSuite, accuracy, default_reward
 from megadiv.rewards import build_reward
 from megadiv.rollout import RolloutError, SamplingParams, make_engine
+from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.sglang_server import TrainerMemory
 from megadiv.rollout.stream import GroupResult
 from megadiv.trainer.config import TrainConfig
@@ -199,9 +200,10 @@ class RolloutDriver:
                                 self.sampling.max_new_tokens, g.overlong_buffer, g.overlong_penalty,
                                 g.mask_truncated, self.served_step)
 
-    def quiesce(self, step: int) -> None:
+    def quiesce(self, step: int) -> dict[str, str]:
         """Before the weights of ``step`` are pushed: wait for the batch in flight (the old
-        weights finish it), then let the ranks start the export."""
+        weights finish it), then let the ranks start the export. Returns the servers the driver's
+        streams have dropped so far, and why: rank 0 pushes to the others only."""
         try:
             if self._job is not None:
                 self._job.result()
@@ -209,6 +211,7 @@ class RolloutDriver:
             self.handoff.fail(f"push/{step}", e)
             raise
         self.handoff.publish(f"push/{step}")
+        return dict(self.engine.dropped) if isinstance(self.engine, FleetEngine) else {}
 
     def served(self, step: int) -> None:
         """The engine now serves the weights of ``step``."""

@@ -89,7 +89,8 @@ class Rollout:
         copy, no communication), else the collective export."""
         waited = time.perf_counter()
         if self.driver:
-            self.driver.quiesce(step)
+            for url, why in self.driver.quiesce(step).items():  # lost during generation: push to the others
+                self.engine.drop(url, f"dropped by the rollout driver: {why}")
         self.handoff.wait(f"push/{step}")
         waited = time.perf_counter() - waited
         views = actor.hf_weight_views() if shares_weights(self.cfg) else None

@@ -1,0 +1,211 @@
+"""FleetStream: GRPO groups over a fleet of SGLang servers, one request per group, each sent to the
+least-loaded healthy server (the GroupStream protocol of rollout/stream.py).
+
+    stream = fleet.open_stream(params)
+    stream.submit(key, prompt)      # queued here; sent when a server has a free slot
+    group = stream.next_done()      # the next group back, from whichever server
+    stream.abort_pending()          # the step is full: /abort_request on every busy server
+
+- **One request per group**: the ``n`` samples of a prompt go to one server as one batch of n
+  copies, so its radix cache computes the prompt once.
+- **Least loaded, with a cap**: a group goes to the live server with the fewest groups in flight,
+  and a server holds at most ``rollout.max_inflight_groups`` (default: what its batch holds,
+  ``max_running_requests // n``). The rest wait here, not in one server's queue, so the server
+  that finishes first takes the next group and a slow server ends up with fewer.
+- **Heartbeat**: while the stream is open every live server answers ``/health_generate`` (a
+  one-token generation when idle) every ``rollout.heartbeat_s`` within
+  ``rollout.heartbeat_timeout_s``. A server that misses it, refuses a connection or lets a request
+  time out is *lost*: dropped from the fleet (FleetEngine.drop) and its groups in flight are sent
+  again to the others first (``stats.resent_groups``). The stream fails, in one line naming every
+  lost server, only when none is left. A server that answers a request with an error is not lost:
+  that error fails the stream (a bad request would fail everywhere).
+- **Abort**: ``abort_pending`` posts ``/abort_request {"abort_all": true}`` to every server with
+  groups in flight (the stream is its servers' only client while it is open), forgets the queue,
+  and ignores the answers still to come. Aborted completions never come back as a group.
+
+Threads: one daemon thread per request in flight and one heartbeat thread per server; they only
+put events on a queue. All state changes in the caller's thread (submit / next_done / abort), so
+nothing is locked. Daemon threads, because a request to a hung server is abandoned, not joined (it
+ends by itself at ``rollout.request_timeout_s``).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+import requests
+
+from megadiv.rollout.engine import RolloutError, SamplingParams
+from megadiv.rollout.sglang_engine import parse_completion, sampling_payload
+from megadiv.rollout.stream import GroupResult, StreamStats
+from megadiv.rollout.weight_sync import post
+
+if TYPE_CHECKING:
+    from megadiv.rollout.fleet import FleetEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    key: Hashable
+    prompt: list[int]
+    server: str = ""
+    """The server its current request went to ("" while it waits here)."""
+
+
+class FleetStream:
+    """The GroupStream over a FleetEngine's servers (see the module docstring)."""
+
+    def __init__(self, fleet: FleetEngine, params: SamplingParams):
+        self.fleet, self.params, self.cfg = fleet, params, fleet.cfg
+        self.stats = StreamStats()
+        self._payload = {"sampling_params": sampling_payload(params), "return_logprob": True}
+        self._waiting: deque[_Group] = deque()
+        self._sent: dict[int, _Group] = {}  # ticket -> group; a ticket's answer is ignored once it is gone
+        self._tickets = itertools.count()
+        self._events: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._load: dict[str, int] = {}      # groups in flight per live server
+        self._capacity: dict[str, int] = {}
+        self._lost: dict[str, str] = {}      # server -> why it was dropped
+        unreachable = {}
+        for url in fleet.urls:
+            try:
+                self._capacity[url] = self.cfg.max_inflight_groups or max(1, _batch_size(url) // params.n)
+            except requests.RequestException as e:
+                unreachable[url] = f"unreachable (dead?): /v1/loads: {e}"
+                continue
+            self._load[url] = 0
+            threading.Thread(target=self._heartbeat, args=(url,), daemon=True, name="megadiv-heartbeat").start()
+        for url, why in unreachable.items():
+            self._lose(url, why)
+        self._check_servers_left()
+
+    # ------------------------------------------------------------------ GroupStream
+
+    def submit(self, key: Hashable, prompt: Sequence[int]) -> None:
+        self._waiting.append(_Group(key, list(prompt)))
+        self._dispatch()
+
+    def next_done(self) -> GroupResult:
+        while True:
+            if not self.pending:
+                raise RuntimeError("next_done() with no group pending")
+            kind, ticket, url, value = self._events.get()  # every thread ends in an event (request timeouts)
+            if kind == "lost":
+                self._lose(url, value)
+                continue
+            group = self._sent.pop(ticket, None)
+            if group is None:  # aborted, or re-sent after its server was lost
+                continue
+            self._load[url] -= 1
+            if kind == "refused":
+                raise RolloutError(f"generation refused by {url}: {value}")
+            self.stats.groups_by_server[url] = self.stats.groups_by_server.get(url, 0) + 1
+            self._dispatch()
+            return GroupResult(group.key, group.prompt, value, url)
+
+    @property
+    def pending(self) -> int:
+        return len(self._waiting) + len(self._sent)
+
+    def abort_pending(self) -> int:
+        given_up = self.pending
+        for url in {g.server for g in self._sent.values()}:
+            try:
+                post(url, "/abort_request", {"abort_all": True}, self.cfg.heartbeat_timeout_s)
+            except RolloutError as e:  # its requests end anyway (request_timeout_s); their answers are ignored
+                log.warning("could not abort the requests running on %s: %s", url, e)
+            self._load[url] = 0
+        self._sent.clear()
+        self._waiting.clear()
+        self.stats.aborted_groups += given_up
+        return given_up
+
+    def close(self) -> None:
+        self.abort_pending()
+        self._closed.set()
+
+    # ------------------------------------------------------------------ routing
+
+    def _dispatch(self) -> None:
+        """Send waiting groups to the least-loaded servers with a free slot."""
+        while self._waiting:
+            free = [u for u, n in self._load.items() if n < self._capacity[u]]
+            if not free:
+                return
+            url = min(free, key=self._load.__getitem__)  # ties: fleet order
+            group = self._waiting.popleft()
+            group.server, ticket = url, next(self._tickets)
+            self._sent[ticket] = group
+            self._load[url] += 1
+            payload = dict(self._payload, input_ids=[group.prompt] * self.params.n)
+            threading.Thread(target=self._request, args=(ticket, url, payload), daemon=True,
+                             name="megadiv-group").start()
+
+    def _lose(self, url: str, why: str) -> None:
+        """Drop ``url`` from the stream and the fleet; its groups in flight go first in line."""
+        if url in self._lost:
+            return
+        self._lost[url] = why
+        self._load.pop(url, None)
+        self.stats.dropped_servers.append(url)
+        resent = [t for t, g in self._sent.items() if g.server == url]
+        for ticket in reversed(resent):
+            self._waiting.appendleft(self._sent.pop(ticket))
+        self.stats.resent_groups += len(resent)
+        log.warning("rollout: dropped SGLang server %s (%s); %d groups re-sent, %d servers left", url, why,
+                    len(resent), len(self._load))
+        self.fleet.drop(url, why)
+        self._check_servers_left()
+        self._dispatch()
+
+    def _check_servers_left(self) -> None:
+        if not self._load:
+            self._closed.set()
+            lost = "; ".join(f"{u}: {why}" for u, why in self._lost.items())
+            raise RolloutError(f"no SGLang server left to generate on (lost {lost})")
+
+    # ------------------------------------------------------------------ threads (events only)
+
+    def _request(self, ticket: int, url: str, payload: dict) -> None:
+        try:
+            r = requests.post(url + "/generate", json=payload, timeout=self.cfg.request_timeout_s)
+        except requests.Timeout:
+            return self._events.put(("lost", ticket, url, f"no answer within rollout.request_timeout_s="
+                                                          f"{self.cfg.request_timeout_s:g} s"))
+        except requests.RequestException as e:
+            return self._events.put(("lost", ticket, url, f"unreachable (dead?): {e}"))
+        try:
+            if r.status_code != 200:
+                raise RolloutError(f"HTTP {r.status_code}: {r.text[:2000]}")
+            out = r.json()
+            self._events.put(("done", ticket, url, [parse_completion(o) for o in (out if isinstance(out, list)
+                                                                                  else [out])]))
+        except Exception as e:  # any bad answer fails the stream (named), not this thread
+            self._events.put(("refused", ticket, url, f"{type(e).__name__}: {e}"))
+
+    def _heartbeat(self, url: str) -> None:
+        while not self._closed.wait(self.cfg.heartbeat_s) and url not in self._lost:
+            try:
+                r = requests.get(url + "/health_generate", timeout=self.cfg.heartbeat_timeout_s)
+                if r.status_code == 200:
+                    continue
+                why = f"heartbeat /health_generate answered HTTP {r.status_code}"
+            except requests.RequestException as e:
+                why = (f"no heartbeat within rollout.heartbeat_timeout_s={self.cfg.heartbeat_timeout_s:g} s"
+                       if isinstance(e, requests.Timeout) else f"heartbeat failed: {e}")
+            return self._events.put(("lost", None, url, why))
+
+
+def _batch_size(url: str) -> int:
+    """The sequences a server runs at once (its max_running_requests, summed over its DP ranks)."""
+    r = requests.get(url + "/v1/loads", timeout=60)
+    r.raise_for_status()
+    return sum(int(load["max_running_requests"]) for load in r.json()["loads"])
