@@ -8,8 +8,11 @@
   sampling, weights shared with the actor, and `RankSplitEngine` (generation on every rank)
 - sglang_engine.py, sglang_server.py, weight_sync.py: SGLang servers, launched or attached, and
   weight sync by process-group broadcast, CUDA-IPC handles or disk
-- fleet.py: ``FleetEngine``, several servers (one SGLangEngine each): prompt groups spread over
-  them, every update to every server
+- fleet.py: ``FleetEngine``, every SGLang engine (one SGLangEngine per server): generation as a
+  group stream, every update to every server, a lost server dropped
+- stream.py, fleet_stream.py: the group stream protocol (``WaveStream`` for the embedded engine);
+  ``FleetStream``: one request per GRPO group to the least-loaded live server, heartbeats,
+  re-sends, aborts
 - mismatch.py: the post-sync log-prob check against the trainer (on every server of a fleet)
 - sglang_cpu/: stand-in modules for SGLang's CPU server process only (see its README)
 

@@ -2,9 +2,9 @@
 
 Two implementations: :class:`megadiv.rollout.embedded.EmbeddedEngine` (transformers in the
 trainer process) and :class:`megadiv.rollout.sglang_engine.SGLangEngine` (an SGLang server, launched
-or attached); :class:`megadiv.rollout.fleet.FleetEngine` holds one SGLangEngine per server when
-there are several. factory.py builds the configured one (engines import this module, never the
-factory). The GRPO loop only sees this protocol::
+or attached); :class:`megadiv.rollout.fleet.FleetEngine`, what make_engine builds for SGLang, holds
+one SGLangEngine per server (one or several). factory.py builds the configured one (engines import
+this module, never the factory). The GRPO loop only sees this protocol::
 
     engine = make_engine(cfg.rollout, hf_dir)
     groups = engine.generate(prompt_ids, SamplingParams.from_config(cfg.rollout))  # [prompt][sample]

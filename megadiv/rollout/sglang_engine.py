@@ -4,8 +4,10 @@
     engine = SGLangEngine(hf_dir, RolloutConfig(engine="sglang",
                                                 server_urls=("http://node7:30000", "http://node8:30000")))
 
-Prompts are spread over the servers in contiguous slices (each prompt repeated n times, so the
-order of completions is exact); requests run concurrently, one thread per server.
+The trainer holds its servers through a FleetEngine (fleet.py), one SGLangEngine per server (a
+member), whose generation is the fleet's group stream (fleet_stream.py). On its own, an
+SGLangEngine spreads prompts over its servers in contiguous slices (each prompt repeated n times,
+so the order of completions is exact); requests run concurrently, one thread per server.
 
 A weight sync (update_weights) sends every bucket to every server, by one of three methods:
 
