@@ -175,7 +175,8 @@ class RolloutDriver:
             "time/rollout": time.perf_counter() - start, "time/reward": graded_s[0],
             "rollout/drawn_groups": counts["drawn"], "rollout/dropped_groups": counts["dropped"],
             "rollout/aborted_completions": counts["aborted_completions"], "rollout/aborted_groups": aborted,
-            "rollout/resent_groups": stats.resent_groups, "rollout/dropped_servers": len(stats.dropped_servers)}
+            "rollout/resent_groups": stats.resent_groups, "rollout/dropped_servers": len(stats.dropped_servers),
+            "rollout/servers": len(stats.groups_by_server)}
         if g.dynamic_sampling:
             exp.metrics |= {"dynamic/kept_groups": min(len(useful), want) / want,
                             "dynamic/rounds": counts["top_ups"] + 1}
