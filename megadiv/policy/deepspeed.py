@@ -59,6 +59,8 @@ class DeepSpeedPolicy:
     engine with partitioned parameters, otherwise the plain module."""
 
     backend = "deepspeed"
+    exports_per_replica = False
+    """Under ZeRO-3 every rank holds a shard of each parameter: the export gathers over all ranks."""
 
     def __init__(self, model_cfg: ModelConfig, ds_cfg: DeepSpeedConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,

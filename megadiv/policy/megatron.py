@@ -51,6 +51,9 @@ class Policy:
     sharded over DP, for Adam) and the LR schedule."""
 
     backend = "megatron"
+    exports_per_replica = True
+    """export_buckets is collective over one data-parallel replica's TP x PP ranks only: the other
+    replicas hold the same weights and need not take part in a push."""
 
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,

@@ -4,7 +4,7 @@
 the families megadiv maps); ``model.backend: deepspeed`` a Hugging Face model in a DeepSpeed ZeRO
 engine (megadiv.policy.deepspeed.DeepSpeedPolicy: data parallelism, any causal LM). Both offer what
 the loop, the warm start and checkpoint.py call: ``log_probs``, ``train_step``, ``logits_for``,
-``export_buckets``, ``optimizer_state_bytes``, ``save_hf``, ``vocab_size``, ``device``, and the
+``export_buckets`` (and ``exports_per_replica``: whether it is collective over one DP replica only), ``optimizer_state_bytes``, ``save_hf``, ``vocab_size``, ``device``, and the
 ``backend`` name that selects the checkpoint format.
 
 It lives here, not in megadiv.policy: it reads the whole run config (``TrainConfig``: parallel,

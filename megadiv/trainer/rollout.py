@@ -13,8 +13,9 @@ Where things run (docs/architecture.md):
   process, whose engine is the model (and, at TP = PP = 1, shares the actor's parameters);
 - with the embedded engine on several ranks (no overlap) every rank generates a slice of each
   call: ranks other than 0 serve generation over a gloo group until the driver releases them;
-- the weight push: every rank takes part in the export (TP gather, PP collect); rank 0 sends it
-  to the servers (or its engine), a rank with an engine of its own loads its own export;
+- the weight push: the ranks of data-parallel replica 0 export (TP gather, PP collect; every rank
+  under DeepSpeed ZeRO-3, whose export gathers over all); rank 0 sends it to the servers (or its
+  engine), a rank with an engine of its own loads its own export;
 - every wait for the driver is a wait on a store key (handoff.py), never an open collective.
 """
 from __future__ import annotations
@@ -96,7 +97,8 @@ class Rollout:
         views = actor.hf_weight_views() if shares_weights(self.cfg) else None
         buckets = [views] if views is not None else actor.export_buckets(self.cfg.rollout.bucket_bytes)
         if self.engine is None:
-            drain(buckets)
+            if self.info.dp_rank == 0 or not actor.exports_per_replica:
+                drain(buckets)  # the export rank 0 sends is replica 0's: the other replicas skip it
             return {}
         report = (self.engine.update_weights(buckets, version_name(step), share=True) if views is not None
                   else self.engine.update_weights(buckets, version_name(step)))
