@@ -31,6 +31,7 @@ After a failed sync the servers may hold a mix of old and new tensors; the next 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -38,6 +39,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, Sequence
 
+import requests
 import torch
 
 from megadiv.rollout.config import RolloutConfig
@@ -73,7 +75,8 @@ class FleetEngine:
             configs = [dataclasses.replace(cfg, server_urls=(url,)) for url in cfg.server_urls]
         else:  # launch cfg.num_servers, concurrently (CPU start-up takes 20-80 s each)
             configs = [dataclasses.replace(cfg, num_servers=1) for _ in range(cfg.num_servers)]
-        self.cfg = cfg
+        self.cfg, self.hf_dir = cfg, hf_dir
+        self._sync: SGLangEngine | None = None  # the fleet-wide broadcast (_fleet_sync)
         self._pool = ThreadPoolExecutor(max_workers=2 * len(configs), thread_name_prefix="fleet")
         futures = [self._pool.submit(SGLangEngine, hf_dir, c, trainer_memory, i) for i, c in enumerate(configs)]
         wait(futures)
@@ -157,7 +160,53 @@ class FleetEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
-        """Every bucket to every member, concurrently (one sync and one group per server)."""
+        """Every bucket to every member: one broadcast per bucket over one group spanning the fleet
+        (``distributed``), else each member's own sync, concurrently (``tensor``, ``disk``)."""
+        if all(m.sync_method == "distributed" for m in self.members.values()):
+            return self._broadcast_to_all(buckets, version)
+        return self._sync_each(buckets, version)
+
+    def _broadcast_to_all(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
+        """One process group over every TP rank of every server, so each bucket leaves the trainer
+        once whatever the fleet's size. A server lost mid-sync (it no longer answers /health) is
+        dropped, the group is rebuilt over the others and the sync goes on from the bucket that
+        failed (sent again: loading a bucket twice is harmless). A server that refuses while alive
+        fails the sync, named (a bad bucket would fail anywhere)."""
+        t0 = time.perf_counter()
+        source, last = iter(buckets), []
+
+        def remembered(items: Iterable[Bucket]) -> Iterator[Bucket]:
+            for bucket in items:
+                last[:] = [bucket]
+                yield bucket
+
+        feed = remembered(source)
+        while True:
+            sync = self._fleet_sync()
+            try:
+                report = sync.update_weights(feed, version)
+                return dataclasses.replace(report, seconds=time.perf_counter() - t0)  # counts: the last attempt's
+            except WeightSyncError as e:
+                lost = [url for url in self.members if not _answers(url)]
+                if not lost or len(lost) == len(self.members):
+                    raise
+                for url in lost:
+                    self.drop(url, f"lost during weight sync {version!r}: {_short(e)}")
+                feed = remembered(itertools.chain(list(last), source))
+
+    def _fleet_sync(self) -> SGLangEngine:
+        """An SGLangEngine attached to every live server, whose lazy broadcast group spans them
+        all; rebuilt when the fleet changes."""
+        urls = tuple(self.members)
+        if self._sync is None or tuple(self._sync.urls) != urls:
+            if self._sync is not None:
+                self._sync.shutdown()  # leaves its group on the servers that still answer
+            self._sync = SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=urls, num_servers=1,
+                                                                       sync_method="distributed"))
+        return self._sync
+
+    def _sync_each(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
+        """Every bucket to every member, concurrently: one sync (and session) per server."""
         t0 = time.perf_counter()
         feeds = {url: _Feed() for url in self.members}
         futures = {url: self._pool.submit(m.update_weights, feeds[url], version) for url, m in self.members.items()}
@@ -203,6 +252,8 @@ class FleetEngine:
         return next(iter(versions.values()))
 
     def shutdown(self) -> None:
+        if self._sync is not None:
+            self._sync.shutdown()
         for m in self.members.values():
             m.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -246,6 +297,14 @@ def _raise_first_failure(futures: dict) -> None:
     for f in futures.values():
         if f.done() and f.exception() is not None:
             raise f.exception()
+
+
+def _answers(url: str) -> bool:
+    """Whether the server answers /health (a dead or stopped one does not, within 10 s)."""
+    try:
+        return requests.get(url + "/health", timeout=10).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def _short(e: BaseException) -> str:

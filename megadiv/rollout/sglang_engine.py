@@ -161,13 +161,14 @@ class SGLangEngine:
         where = f"weight sync to version {version!r} ({method}) on {self.urls}"
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0
-        session, target = False, None
+        began, target = [], None  # the servers whose session this sync opened (and must close)
         try:
             if method == "disk":
                 target = self._new_sync_dir(version)
             else:
-                self._call_all("/begin_weight_update", {})
-                session = True
+                for url in self.urls:  # one at a time: a refusal leaves only the sessions begun before it
+                    self._call([url], "/begin_weight_update", {})
+                    began.append(url)
             for i, bucket in enumerate(buckets):
                 at = f"bucket {i}"
                 if self._manifest is not None:
@@ -186,17 +187,16 @@ class SGLangEngine:
             if method == "disk":
                 self._call_all("/update_weights_from_disk", {"model_path": str(target), "flush_cache": True})
                 self._drop_old_sync_dir(target)
-            if session:
+            if began:
                 self._call_all("/end_weight_update", {})
-                session = False
+                began = []
             self._call_all("/update_weight_version", {"new_version": version, "abort_all_requests": False})
         except (RolloutError, OSError) as e:
-            if session:  # leave the servers usable: a session left open refuses the next begin
-                for url in self.urls:
-                    try:
-                        post(url, "/end_weight_update", {}, 30.0)
-                    except RolloutError:
-                        pass
+            for url in began:  # leave the servers usable: a session left open refuses the next begin
+                try:
+                    post(url, "/end_weight_update", {}, 30.0)
+                except RolloutError:
+                    pass
             if target is not None and target != self._last_sync_dir:
                 shutil.rmtree(target, ignore_errors=True)
             raise WeightSyncError(f"{where} failed: {e}" + self._log_hint()) from None
