@@ -104,13 +104,13 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         spec="local" if cfg.model.transformer_impl == "local" else "te",
         server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,
         bucket_bytes=cfg.rollout.bucket_bytes,
-        rank0_bucket_copies=max(len(cfg.rollout.server_urls), cfg.rollout.num_servers)
-        if cfg.rollout.engine != "embedded" and _broadcasts(cfg.rollout.sync_method, colocated) else 0)
+        rank0_bucket_copies=int(cfg.rollout.engine != "embedded" and _broadcasts(cfg.rollout.sync_method, colocated)))
 
 
 def _broadcasts(sync_method: str, colocated: bool) -> bool:
-    """Whether weight syncs go through a broadcast group (rank 0 then holds a copy per server):
-    'auto' sends CUDA-IPC handles to a server on the trainer's GPUs (sglang_engine.resolve_sync_method)."""
+    """Whether weight syncs go through the fleet's broadcast group (rank 0 then holds the bucket's
+    flattened copy, one for the whole fleet): 'auto' sends CUDA-IPC handles to a server on the
+    trainer's GPUs (sglang_engine.resolve_sync_method)."""
     return sync_method == "distributed" or (sync_method == "auto" and not colocated)
 
 

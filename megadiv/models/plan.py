@@ -74,7 +74,8 @@ class Workload:
     """rollout.bucket_bytes: every rank holds one gathered bucket during a weight sync
     (megadiv.models.export) ..."""
     rank0_bucket_copies: int = 0
-    """... and global rank 0 this many more (the flattened copy sent to each server)."""
+    """... and global rank 0 this many more (the flattened copy broadcast to the fleet: 1, or 0
+    without a broadcast group)."""
     reserve_bytes: int = 3 * GiB
     """CUDA context, NCCL buffers, allocator fragmentation: held back from every GPU."""
 

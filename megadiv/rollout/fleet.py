@@ -15,13 +15,15 @@ class; the fleet routes work to them and gathers it back:
 - **score** (the probe check): the prompts are cut into one contiguous slice per member, scored
   concurrently and concatenated in order. The first member to fail fails the call, with its error
   (which names its server), without waiting for the others.
-- **update_weights**: every bucket goes to every member. *One process group per server*: each
-  member runs its own sync (its own broadcast group, session and timeouts) in its own thread, fed
-  the same bucket objects through a bounded queue, so buckets are produced once and at most
-  ``QUEUE_DEPTH`` are held per member. A refusing or dead server fails its own sync within
-  ``rollout.sync_timeout_s`` and is named; the others are told to abort (their sessions are closed).
-  The cost of independent groups is that the trainer sends each bucket once per server (a single
-  group would broadcast once); the gain is that one bad server cannot stall the others' collectives.
+- **update_weights**: every bucket goes to every member. With ``distributed`` (the default for
+  servers on GPUs of their own, and on CPU) over *one* process group spanning every TP rank of
+  every server, so each bucket leaves the trainer once whatever the fleet's size; a server lost
+  mid-sync (no answer to /health) is dropped, the group rebuilt over the others and the sync goes
+  on from the bucket that failed; a server that refuses while alive fails the sync, named. With
+  ``tensor`` or ``disk`` each member runs its own sync in its own thread, fed the same bucket
+  objects through a bounded queue (buckets produced once, at most ``QUEUE_DEPTH`` held per
+  member); a refusing or dead server fails its own sync within ``rollout.sync_timeout_s``, named,
+  and the others are told to abort.
 - **probe check**: :func:`megadiv.rollout.mismatch.check_mismatch` scores the probe batch on every
   member (``members``), so a server that missed an update is caught and named.
 
