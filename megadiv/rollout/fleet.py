@@ -17,9 +17,12 @@ class; the fleet routes work to them and gathers it back:
   (which names its server), without waiting for the others.
 - **update_weights**: every bucket goes to every member. With ``distributed`` (the default for
   servers on GPUs of their own, and on CPU) over *one* process group spanning every TP rank of
-  every server, so each bucket leaves the trainer once whatever the fleet's size; a server lost
-  mid-sync (no answer to /health) is dropped, the group rebuilt over the others and the sync goes
-  on from the bucket that failed; a server that refuses while alive fails the sync, named. With
+  every server, so each bucket leaves the trainer once whatever the fleet's size; a server found
+  lost when the sync fails (no answer to /health: dead before the sync or between its buckets) is
+  dropped, the group rebuilt over the others and the sync goes on from the bucket that failed; a
+  server that refuses while alive fails the sync, named. Not handled: a server that dies *inside*
+  a broadcast leaves the others blocked in that collective, so the rebuilt group cannot form and
+  the sync fails (within rollout.sync_timeout_s, named). With
   ``tensor`` or ``disk`` each member runs its own sync in its own thread, fed the same bucket
   objects through a bounded queue (buckets produced once, at most ``QUEUE_DEPTH`` held per
   member); a refusing or dead server fails its own sync within ``rollout.sync_timeout_s``, named,
@@ -170,10 +173,12 @@ class FleetEngine:
 
     def _broadcast_to_all(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
         """One process group over every TP rank of every server, so each bucket leaves the trainer
-        once whatever the fleet's size. A server lost mid-sync (it no longer answers /health) is
-        dropped, the group is rebuilt over the others and the sync goes on from the bucket that
-        failed (sent again: loading a bucket twice is harmless). A server that refuses while alive
-        fails the sync, named (a bad bucket would fail anywhere)."""
+        once whatever the fleet's size. A server found lost when the sync fails (it no longer answers
+        /health) is dropped, the group is rebuilt over the others and the sync goes on from the
+        bucket that failed (sent again: loading a bucket twice is harmless). A server that refuses
+        while alive fails the sync, named (a bad bucket would fail anywhere). One that dies inside a
+        broadcast leaves the survivors blocked in it: the rebuilt group cannot form, and the sync
+        fails within rollout.sync_timeout_s (see the module docstring)."""
         t0 = time.perf_counter()
         source, last = iter(buckets), []
 
