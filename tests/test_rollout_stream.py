@@ -14,7 +14,9 @@ attaches to its fleet):
     SIGKILL       a server killed mid-step: its group is re-sent, the step has exactly
                   prompts_per_step groups, each prompt drawn once; rank 0's fleet drops the server
                   the driver reports and pushes to the survivor; a fleet attached again with the
-                  dead server configured (a restart) leaves it out and serves
+                  dead server configured (a restart) leaves it out and serves; the server
+                  relaunched on its address rejoins at the next push, gets the weights, and only
+                  then takes groups
 
 Slow servers are slowed by a forward-pass sleep, not by load, so what each test relies on (a
 slowed group outlasts a fast server's several groups by a factor of ten or more) holds on a busy
@@ -236,6 +238,7 @@ def test_a_killed_server_s_groups_are_resent_and_the_push_reaches_the_survivor(m
     rank0 = FleetEngine(str(model), RolloutConfig(engine="sglang", server_urls=(a.url, killed.url)))  # pushes
     driver, handoff = driver_on(model, [a.url, killed.url], "grpo.prompts_per_step=6", max_inflight_groups=1)
     watcher = when_running(killed.url, lambda: os.killpg(killed.proc.pid, signal.SIGKILL))
+    back = []
     try:
         rows, metrics = batch(driver, handoff)
         watcher.join(60)
@@ -252,6 +255,18 @@ def test_a_killed_server_s_groups_are_resent_and_the_push_reaches_the_survivor(m
         restarted = FleetEngine(str(model), RolloutConfig(engine="sglang", server_urls=(a.url, killed.url)))
         assert restarted.urls == [a.url] and "unreachable" in restarted.dropped[killed.url]
         restarted.shutdown()
+        # the server comes back on its address: the next push gives it the weights, then it serves
+        back.append(SGLangServer.launch(str(model), RolloutConfig(engine="sglang", startup_timeout_s=600),
+                                        port=int(killed.url.rsplit(":", 1)[1])))
+        rank0.update_weights(iter([list(weights.items())]), "step-2")
+        assert rank0.urls == [a.url, killed.url]
+        assert [m.weight_version for m in rank0.members.values()] == ["step-2", "step-2"]
+        assert driver.engine.urls == [a.url]  # nothing is sent to it before the driver is told
+        driver.served(2, rank0.urls)
+        rows, metrics = batch(driver, handoff, step=3)
+        assert len(rows) == 6 * 4 and metrics["rollout/servers"] == 2  # completions all of step-2 (checked)
     finally:
         driver.close()
         rank0.shutdown()
+        for server in back:
+            server.stop()

@@ -152,6 +152,31 @@ class FleetEngine:
             raise RolloutError("the engine is paused: call resume() before generating")
         return FleetStream(self, params)
 
+    def adopt(self, urls: Sequence[str]) -> None:
+        """Serve on exactly ``urls`` (the servers rank 0 has just pushed the current weights to):
+        attach the ones missing here, drop the ones rank 0 no longer pushes to. What the driver's
+        fleet does after each push, so a server that came back takes groups only once it serves
+        the current weights."""
+        for url in [u for u in self.members if u not in urls]:
+            self.drop(url, "the trainer's fleet no longer pushes to it")
+        for url in [u for u in urls if u not in self.members]:
+            self.members[url] = SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=(url,)))
+            self.dropped.pop(url, None)
+            log.info("rollout fleet: %s is back, serving on %s", url, list(self.members))
+
+    def _rejoin(self) -> None:
+        """Before a sync: an attached server dropped earlier that answers again (restarted) joins
+        the fleet, so this sync gives it the current weights before it serves anything."""
+        for url in [u for u in self.dropped if u in self.cfg.server_urls and _answers(u)]:
+            try:
+                member = SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=(url,)))
+            except RolloutError as e:
+                log.warning("rollout fleet: %s answers again but cannot rejoin: %s", url, _short(e))
+                continue
+            del self.dropped[url]
+            self.members[url] = member
+            log.warning("rollout fleet: %s answers again and rejoins; this sync gives it the current weights", url)
+
     def drop(self, url: str, why: str) -> None:
         """Take ``url`` out of the fleet (a launched server is stopped): it failed its heartbeat or
         its requests (FleetStream), or the driver process dropped it from its own fleet."""
@@ -167,6 +192,7 @@ class FleetEngine:
     def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
         """Every bucket to every member: one broadcast per bucket over one group spanning the fleet
         (``distributed``), else each member's own sync, concurrently (``tensor``, ``disk``)."""
+        self._rejoin()
         if all(m.sync_method == "distributed" for m in self.members.values()):
             return self._broadcast_to_all(buckets, version)
         return self._sync_each(buckets, version)

@@ -263,11 +263,12 @@ class SGLangServer:
         self._finalizer = weakref.finalize(self, _kill_group, proc, grace_s)
 
     @classmethod
-    def launch(cls, hf_dir: str, cfg: RolloutConfig, gpu: GpuPlacement | None = None) -> SGLangServer:
-        """Start a server for ``hf_dir`` (on the GPUs of ``gpu``; None on a CPU machine) and wait
-        until /health answers (cfg.startup_timeout_s)."""
+    def launch(cls, hf_dir: str, cfg: RolloutConfig, gpu: GpuPlacement | None = None,
+               port: int | None = None) -> SGLangServer:
+        """Start a server for ``hf_dir`` (on the GPUs of ``gpu``; None on a CPU machine) on
+        ``port`` (None: a free one) and wait until /health answers (cfg.startup_timeout_s)."""
         cuda = gpu is not None
-        port = free_port()
+        port = port or free_port()
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="megadiv-sglang-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"sglang-{port}.log"

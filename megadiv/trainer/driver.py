@@ -214,9 +214,12 @@ class RolloutDriver:
         self.handoff.publish(f"push/{step}")
         return dict(self.engine.dropped) if isinstance(self.engine, FleetEngine) else {}
 
-    def served(self, step: int) -> None:
-        """The engine now serves the weights of ``step``."""
+    def served(self, step: int, servers: list[str] | None = None) -> None:
+        """The engine now serves the weights of ``step``; with SGLang on exactly ``servers``
+        (rank 0's fleet after the push: a server that came back joins here now that it serves them)."""
         self.served_step = step
+        if servers is not None and isinstance(self.engine, FleetEngine):
+            self.engine.adopt(servers)
 
     # ------------------------------------------------------------------ evaluation and state
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megadiv.rollout import Bucket, make_engine, resolve_engine_name
 from megadiv.rollout.config import RolloutConfig
+from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
 from megadiv.rollout.weight_sync import address_seen_by
 from megadiv.trainer.config import TrainConfig
@@ -103,7 +104,7 @@ class Rollout:
         report = (self.engine.update_weights(buckets, version_name(step), share=True) if views is not None
                   else self.engine.update_weights(buckets, version_name(step)))
         if self.driver:
-            self.driver.served(step)
+            self.driver.served(step, self.engine.urls if isinstance(self.engine, FleetEngine) else None)
         return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "time/rollout_wait": waited}
 
     def evaluate(self) -> dict[str, float]:
