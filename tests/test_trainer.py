@@ -139,14 +139,17 @@ def test_mbpp_code_reward_step_runs(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_one_step_with_a_fleet_of_two_sglang_servers_at_dp2(tmp_path):
+def test_one_step_with_a_fleet_of_two_sglang_servers_at_tp2_dp2(tmp_path):
     """The whole path with a fleet: two launched servers, the driver's process streaming groups to
-    both (one group in flight each), two data-parallel ranks receiving their rows, the push and
-    the probe check on both servers."""
+    both (one group in flight each), 4 ranks (TP=2 x DP=2) receiving their replica's rows; the
+    push exported by replica 0 and broadcast once to both servers over one group (the bytes that
+    left rank 0 are the model's, not twice), the probe check on both."""
     run_dir = tmp_path / "sglang"
     out = megadiv_train(run_dir, "grpo.steps=1", "rollout.engine=sglang", "rollout.sync_method=distributed",
                         "rollout.num_servers=2", "rollout.max_inflight_groups=1", "eval.every=0",
-                        "eval.data.max_items=8", "parallel.tensor_parallel=1", "grpo.micro_batch_size=4", timeout_s=1200)
+                        "eval.data.max_items=8", "parallel.tensor_parallel=2", "grpo.micro_batch_size=4",
+                        nproc=4, timeout_s=1500)
     (step,) = step_records(run_dir)
-    assert step["sync/probe_abs_diff_mean"] < 1e-4, out[-3000:]
+    assert step["sync/probe_abs_diff_mean"] < 1e-4, out[-3000:]  # the worst of the two servers
     assert step["rollout/servers"] == 2 and step["rollout/dropped_servers"] == 0
+    assert step["sync/bytes_sent"] == sum(t.numel() * t.element_size() for t in hf_weights(run_dir).values())

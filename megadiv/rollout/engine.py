@@ -89,6 +89,9 @@ class SyncReport:
     num_buckets: int
     bytes: int
     seconds: float
+    bytes_sent: int = 0
+    """What left this process over broadcast groups (``distributed``; 0 for ``tensor``/``disk``
+    and the embedded engine): a bucket broadcast once to a whole fleet counts once."""
 
     @property
     def mb_per_s(self) -> float:

@@ -263,7 +263,8 @@ class FleetEngine:
             late = [u for u, f in futures.items() if not f.done()]
             raise WeightSyncError(f"weight sync {version!r}: {late} did not finish within rollout.sync_timeout_s")
         first = next(iter(futures.values())).result()
-        return dataclasses.replace(first, seconds=time.perf_counter() - t0)
+        return dataclasses.replace(first, seconds=time.perf_counter() - t0,
+                                   bytes_sent=sum(f.result().bytes_sent for f in futures.values()))
 
     # ------------------------------------------------------------------ control
 

@@ -79,6 +79,7 @@ class SGLangEngine:
         self._sync_root = Path(cfg.sync_dir) if cfg.sync_dir else None
         self._last_sync_dir: Path | None = None
         self._paused = False
+        self._bytes_sent = 0  # by the sync in progress (SyncReport.bytes_sent)
         if cfg.server_urls:
             self.urls = [u.rstrip("/") for u in cfg.server_urls]
         else:
@@ -162,6 +163,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0
         began, target = [], None  # the servers whose session this sync opened (and must close)
+        self._bytes_sent = 0
         try:
             if method == "disk":
                 target = self._new_sync_dir(version)
@@ -200,7 +202,7 @@ class SGLangEngine:
             if target is not None and target != self._last_sync_dir:
                 shutil.rmtree(target, ignore_errors=True)
             raise WeightSyncError(f"{where} failed: {e}" + self._log_hint()) from None
-        report = SyncReport(version, method, n_tensors, n_buckets, n_bytes, time.perf_counter() - t0)
+        report = SyncReport(version, method, n_tensors, n_buckets, n_bytes, time.perf_counter() - t0, self._bytes_sent)
         log.info("weight sync %s: %d tensors in %d buckets, %.1f MB in %.3f s (%.1f MB/s)", version, n_tensors,
                  n_buckets, n_bytes / 1e6, report.seconds, report.mb_per_s)
         return report
@@ -218,6 +220,7 @@ class SGLangEngine:
         futures = [(u, self._pool.submit(post, u, "/update_weights_from_distributed", payload, self.cfg.sync_timeout_s))
                    for u in self.urls]
         self._group.broadcast(flat, futures, where)
+        self._bytes_sent += flat.numel() * flat.element_size()
         for _, fut in futures:
             fut.result()  # the servers' verdicts on loading what they received
 

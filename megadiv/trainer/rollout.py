@@ -105,7 +105,8 @@ class Rollout:
                   else self.engine.update_weights(buckets, version_name(step)))
         if self.driver:
             self.driver.served(step, self.engine.urls if isinstance(self.engine, FleetEngine) else None)
-        return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "time/rollout_wait": waited}
+        return {"sync/mb_per_s": report.mb_per_s, "sync/buckets": report.num_buckets, "sync/bytes_sent": report.bytes_sent,
+                "time/rollout_wait": waited}
 
     def evaluate(self) -> dict[str, float]:
         """Held-out evaluation on the engine's current weights: the metrics on rank 0, {} elsewhere."""
