@@ -6,7 +6,7 @@ The program runs in the same interpreter as the hook, so the hook keeps nothing 
 rebind: no closure cells (writable through ``cell.cell_contents``) and no global or builtin
 lookups (``builtins.isinstance = ...`` would change them). Its state is its own ``__defaults__``:
 a tuple of frozensets, strings and C functions, none of which Python code can change, and setting
-its or its helper's ``__defaults__``/``__code__`` is an audit event it refuses. The events that reach
+its own or its helpers' ``__defaults__``/``__code__`` is an audit event it refuses. The events that reach
 arbitrary objects (the gc functions find the hook and the interpreter's list of hooks) and a
 subinterpreter (which has no hooks of its own) are refused too. tests/test_sandbox.py's
 test_audit_hook_cannot_be_switched_off checks that no global is read and the attacks fail.
@@ -69,10 +69,26 @@ def resolve(path, as_str=str.__str__, decode=bytes.decode, fspath=os.fspath, get
     return done or "/"
 
 
+def refused_proc(real, own_proc, startswith=str.startswith, split=str.split, isdigit=str.isdigit, len_=len):
+    """``real`` (a resolved path) is /proc itself, /proc/<pid>/... of another process (its
+    environment, memory, command line), or this process's own ``net`` directories (unsafe mode
+    shares the host's network namespace: its tcp, udp and unix tables)."""
+    if real == "/proc":
+        return True
+    if not startswith(real, "/proc/"):
+        return False
+    parts = split(real, "/")  # ["", "proc", pid, entry, ...]
+    if not isdigit(parts[2]):
+        return False  # /proc/meminfo, /proc/sys/...: not a process's
+    if real != own_proc and not startswith(real, own_proc + "/"):
+        return True
+    return len_(parts) > 3 and (parts[3] == "net" or parts[3] == "task" and len_(parts) > 5 and parts[5] == "net")
+
+
 def make_audit_hook(workdir: str, allow_processes: bool):
     """Refuse every ``ctypes.*`` event (a foreign function cached before the hook raises only
     ``ctypes.call_function``), network use, writes outside ``workdir``, other processes' /proc
-    entries, directories opened as descriptors (a ``dir_fd`` the hook could not see through),
+    entries and its own /proc net tables, directories opened as descriptors (a ``dir_fd`` the hook could not see through),
     (unless allowed) process creation, and whatever would reach or rebind the hook itself."""
     refused = ALWAYS_REFUSED | (frozenset() if allow_processes else PROCESS_EVENTS)
     refused_imports = REFUSED_IMPORTS | (frozenset() if allow_processes else frozenset({"_posixsubprocess"}))
@@ -80,10 +96,11 @@ def make_audit_hook(workdir: str, allow_processes: bool):
 
     def hook(event, args, refused=refused, refused_imports=refused_imports, function_state=FUNCTION_STATE,
              mutations=MUTATIONS, listings=LISTINGS, write_flags=WRITE_FLAGS, workdir=workdir,
-             own_proc=own_proc, resolve=resolve, deny=PermissionError, startswith=str.startswith,
+             own_proc=own_proc, resolve=resolve, refused_proc=refused_proc, deny=PermissionError,
+             startswith=str.startswith,
              as_str=str.__str__, isinstance_=isinstance, int_type=int, str_type=str,
              path_types=(str, bytes, os.PathLike), stat_=os.stat, is_dir=stat.S_ISDIR, os_error=OSError, len_=len,
-             itself=None):
+             guarded=()):
         # Any exception here (a program's str subclass failing in as_str, say) refuses the event.
         if event in refused or startswith(event, "ctypes."):
             raise deny("sandbox: " + event + " is not allowed")
@@ -92,17 +109,16 @@ def make_audit_hook(workdir: str, allow_processes: bool):
                 raise deny("sandbox: importing " + as_str(args[0]) + " is not allowed")
         elif event == "object.__setattr__" or event == "object.__delattr__":
             # only the hook's own functions: libraries (numpy) set other functions' __defaults__
-            if (args[0] is itself or args[0] is resolve) and as_str(args[1]) in function_state:
-                raise deny("sandbox: setting " + as_str(args[1]) + " is not allowed")
+            for function in guarded:
+                if args[0] is function and as_str(args[1]) in function_state:
+                    raise deny("sandbox: setting " + as_str(args[1]) + " is not allowed")
         elif event == "open":
             path, mode, flags = args
             if path is None or isinstance_(path, int_type):
                 return  # an already open descriptor
             real = resolve(path)
-            # /proc itself or /proc/<pid>/... of another process (its environment, memory, command line)
-            if real == "/proc" or (startswith(real, "/proc/") and real.split("/")[2].isdigit()
-                                   and real != own_proc and not startswith(real, own_proc + "/")):
-                raise deny("sandbox: reading " + real + " of another process")
+            if refused_proc(real, own_proc):
+                raise deny("sandbox: reading " + real)
             try:
                 directory = is_dir(stat_(real).st_mode)
             except os_error:
@@ -116,15 +132,15 @@ def make_audit_hook(workdir: str, allow_processes: bool):
         elif event in listings:
             if len_(args) and isinstance_(args[0], path_types):
                 real = resolve(args[0])
-                if real == "/proc" or (startswith(real, "/proc/") and real.split("/")[2].isdigit()
-                                       and real != own_proc and not startswith(real, own_proc + "/")):
-                    raise deny("sandbox: listing /proc")
+                if refused_proc(real, own_proc):
+                    raise deny("sandbox: listing " + real)
         elif event in mutations:
             for path in args[:2]:
                 if isinstance_(path, path_types):
                     real = resolve(path)
                     if real != workdir and not startswith(real, workdir + "/"):
                         raise deny("sandbox: " + event + " on " + real + " outside the working directory")
-    # Its last default is itself, set before it is installed (no closure cell to hold it).
-    hook.__defaults__ = hook.__defaults__[:-1] + (hook,)
+    # Its last default: the functions whose code and defaults it holds, itself included (set before
+    # it is installed; no closure cell holds it).
+    hook.__defaults__ = hook.__defaults__[:-1] + ((hook, resolve, refused_proc),)
     return hook
