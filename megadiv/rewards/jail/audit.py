@@ -88,8 +88,9 @@ def refused_proc(real, own_proc, startswith=str.startswith, split=str.split, isd
 def make_audit_hook(workdir: str, allow_processes: bool):
     """Refuse every ``ctypes.*`` event (a foreign function cached before the hook raises only
     ``ctypes.call_function``), network use, writes outside ``workdir``, other processes' /proc
-    entries and its own /proc net tables, directories opened as descriptors (a ``dir_fd`` the hook could not see through),
-    (unless allowed) process creation, and whatever would reach or rebind the hook itself."""
+    entries and its own /proc net tables, directories opened as descriptors (a ``dir_fd`` the
+    hook could not see through), (unless allowed) process creation, and whatever would reach or
+    rebind the hook itself."""
     refused = ALWAYS_REFUSED | (frozenset() if allow_processes else PROCESS_EVENTS)
     refused_imports = REFUSED_IMPORTS | (frozenset() if allow_processes else frozenset({"_posixsubprocess"}))
     own_proc = f"/proc/{os.getpid()}"
@@ -97,8 +98,7 @@ def make_audit_hook(workdir: str, allow_processes: bool):
     def hook(event, args, refused=refused, refused_imports=refused_imports, function_state=FUNCTION_STATE,
              mutations=MUTATIONS, listings=LISTINGS, write_flags=WRITE_FLAGS, workdir=workdir,
              own_proc=own_proc, resolve=resolve, refused_proc=refused_proc, deny=PermissionError,
-             startswith=str.startswith,
-             as_str=str.__str__, isinstance_=isinstance, int_type=int, str_type=str,
+             startswith=str.startswith, as_str=str.__str__, isinstance_=isinstance, int_type=int, str_type=str,
              path_types=(str, bytes, os.PathLike), stat_=os.stat, is_dir=stat.S_ISDIR, os_error=OSError, len_=len,
              guarded=()):
         # Any exception here (a program's str subclass failing in as_str, say) refuses the event.
