@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import inspect
 import re
 import shutil
 import statistics
@@ -62,15 +63,18 @@ def load_baseline(rev: str):
     """``run_sandboxed`` and ``SandboxLimits`` of git revision ``rev``, as ``megadiv_baseline.rewards.sandbox``."""
     root = Path(tempfile.mkdtemp(prefix="megadiv-baseline-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "megadiv/rewards"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split()
+    # the sandbox and the test splitter it imports (standard library only; data/__init__ would pull in the rest)
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "megadiv/rewards", "megadiv/data/code_tests.py"],
+                           cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
     for name in names:
         text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=REPO, check=True, capture_output=True,
                               text=True).stdout
         dest = root / name.replace("megadiv/", "megadiv_baseline/", 1)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(re.sub(r"\bmegadiv\.", "megadiv_baseline.", text) if name.endswith(".py") else text)
-    (root / "megadiv_baseline" / "__init__.py").write_text("")
+    for package in ("", "data"):
+        (root / "megadiv_baseline" / package).mkdir(parents=True, exist_ok=True)
+        (root / "megadiv_baseline" / package / "__init__.py").touch()
     sys.path.insert(0, str(root))
     return importlib.import_module("megadiv_baseline.rewards.sandbox")
 
@@ -78,12 +82,14 @@ def load_baseline(rev: str):
 def compare_code(rev: str, workers: int, n: int, rounds: int, isolation: str) -> None:
     """This tree's sandbox against ``rev``'s on the first ``n`` MBPP test references, alternating."""
     baseline = load_baseline(rev)
+    takes_names = "program_names" in inspect.signature(baseline.run_sandboxed).parameters  # since issue 26
     ds = load_dataset(DataConfig(name="mbpp", split="test", max_items=n))
     variants = {
         "this tree": lambda r: run_sandboxed(r.solution, r.tests, 60.0, setup=r.test_setup,
                                              program_names=r.program_names, limits=SandboxLimits(isolation=isolation)),
         rev: lambda r: baseline.run_sandboxed(r.solution, r.tests, 60.0, setup=r.test_setup,
-                                              limits=baseline.SandboxLimits(isolation=isolation)),
+                                              limits=baseline.SandboxLimits(isolation=isolation),
+                                              **({"program_names": r.program_names} if takes_names else {})),
     }
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for k in range(rounds):

@@ -210,3 +210,26 @@ def test_gbmpo_gsm8k_es_split_is_disjoint_80_20_of_train():
     first = int(np.random.RandomState(42).permutation(7473)[0])
     full = load_dataset(DataConfig(name="gsm8k", split="train"))
     assert val.records[0] == full.records[first]
+
+
+def test_user_code_records_take_solution_setup_and_program_names_fields(tmp_path):
+    code = tmp_path / "code.jsonl"
+    row = {"prompt": "sum of divisors", "tests": ["assert sum(10, 15) == 6"], "setup": ["import math", "K = 1"],
+           "ref": "def sum(a, b):\n    return 6", "own": []}
+    code.write_text(json.dumps(row) + "\n")
+    fields = dict(name="jsonl", path=str(code), answer_field=None, tests_field="tests")
+    r = load_dataset(DataConfig(**fields, solution_field="ref", test_setup_field="setup"))[0]
+    assert (r.program_names, r.test_setup, r.solution) == (("sum",), "import math\nK = 1", row["ref"])
+    assert load_dataset(DataConfig(**fields, program_names_field="own", solution_field="ref"))[0].program_names == ("sum",)
+    # Without either, `sum` is Python's and the test calls nothing of the program: refused.
+    with pytest.raises(DatasetError, match="0: test 0 cannot be graded: .*makes no call into the program"):
+        load_dataset(DataConfig(**fields))
+    code.write_text(json.dumps({**row, "ref": "def sum(a, b) return 6", "own": ["not a name"]}) + "\n")
+    with pytest.raises(DatasetError, match="row 0 field 'ref' is not a Python program"):
+        load_dataset(DataConfig(**fields, solution_field="ref"))
+    with pytest.raises(DatasetError, match="row 0 field 'own' must be a list of names"):
+        load_dataset(DataConfig(**fields, program_names_field="own"))
+    with pytest.raises(ValueError, match="data.solution_field is read from a user's file only"):
+        DataConfig(name="mbpp", solution_field="code")
+    with pytest.raises(ValueError, match="data.test_setup_field needs tests_field"):
+        DataConfig(name="jsonl", path=str(code), test_setup_field="setup")

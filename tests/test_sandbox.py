@@ -943,3 +943,152 @@ def test_a_venv_under_tmp_imports_numpy_in_namespaces_mode(tmp_path):
                           timeout=240, env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "passed", proc.stdout
+
+
+# Each step tries to switch the audit hook off from pure Python; then the program calls libc through ctypes.
+SWITCH_OFF_PROBE = '''
+import builtins, gc, sys
+
+def closures():
+    """Find the hook by gc and rebind its closure cells, defaults and code to harmless values."""
+    for f in gc.get_objects():
+        if type(f).__name__ == "function" and f.__code__.co_name == "hook":
+            for cell in f.__closure__ or ():
+                if isinstance(cell.cell_contents, frozenset):
+                    cell.cell_contents = frozenset()
+                elif cell.cell_contents is str.startswith:
+                    cell.cell_contents = lambda *a: False
+            f.__defaults__ = tuple(frozenset() if isinstance(d, frozenset) else d for d in f.__defaults__ or ())
+
+def hook_list():
+    """Empty the interpreter's list of audit hooks, found by what it holds."""
+    for o in gc.get_objects():
+        if type(o) is list and any(type(x).__name__ == "function" and x.__code__.co_name == "hook" for x in o):
+            o.clear()
+
+def referrers():
+    for o in gc.get_referrers(sys.addaudithook) + gc.get_referents(sys.modules):
+        pass
+
+def rebind_helpers():
+    """The hook's helpers: their defaults and code, and the module globals the hook was made from."""
+    import jail.audit
+    jail.audit.ALWAYS_REFUSED = frozenset()
+    jail.audit.resolve.__code__ = (lambda path, *rest: "/tmp").__code__
+    del jail.audit.resolve.__defaults__
+
+def rebind_proc_check():
+    import jail.audit
+    jail.audit.refused_proc.__defaults__ = (lambda *a: False,) * 5
+
+def subinterpreter():
+    import _xxsubinterpreters as interpreters
+    interpreters.run_string(interpreters.create(), "import ctypes; ctypes.CDLL(None).getpid()")
+
+def testcapi():
+    import _testcapi
+
+def patched_builtins():
+    import posixpath
+    builtins.isinstance = lambda *a: True
+    builtins.PermissionError = Warning
+    posixpath.realpath = lambda p, *a, **k: "/tmp"
+
+STEPS = (closures, hook_list, referrers, rebind_helpers, rebind_proc_check, subinterpreter, testcapi, patched_builtins)
+
+def attack():
+    for step in STEPS:
+        try:
+            step()
+            print(step.__name__, "done")
+        except BaseException as e:
+            print(step.__name__, "refused:", type(e).__name__, e)
+    import ctypes
+    return ctypes.CDLL(None).getpid() > 0
+'''
+
+
+def test_audit_hook_reads_no_global_and_holds_no_cell():
+    """Its state is its defaults (tuples, frozensets, strings, C functions): nothing to rebind."""
+    import dis
+
+    from megadiv.rewards.jail.audit import make_audit_hook, refused_proc, resolve
+
+    def codes(code):
+        yield code
+        for const in code.co_consts:
+            if hasattr(const, "co_code"):
+                yield from codes(const)
+
+    hook = make_audit_hook("/tmp", False)
+    for function in (hook, resolve, refused_proc):
+        assert function.__code__.co_freevars == () and function.__closure__ is None
+        assert [i.argval for c in codes(function.__code__) for i in dis.get_instructions(c)
+                if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")] == []
+        assert all(type(d) in (str, int, tuple, frozenset, type) or callable(d) and not hasattr(d, "__code__")
+                   or d in (resolve, refused_proc) for d in function.__defaults__)
+    assert hook.__defaults__[-1] == (hook, resolve, refused_proc)  # the functions whose state it guards
+    for path in ("/proc/self", "/proc/thread-self/status", "/usr/bin/../lib64/./x", "relative/x", b"/proc/1", "/"):
+        assert resolve(path) == os.fsdecode(os.path.realpath(path))
+
+
+@pytest.mark.parametrize("mode", [pytest.param("namespaces", marks=needs_ns), "unsafe"])
+def test_audit_hook_cannot_be_switched_off(mode):
+    """gc finds the hook and the list of hooks, a cell or default rebinds its state, a
+    subinterpreter has no hook: each is refused, and ctypes stays refused after all of them."""
+    r = run(SWITCH_OFF_PROBE, ["assert attack()"], mode)
+    assert (r.status, r.passed) == ("failed", 0), r
+    assert "ctypes.dlopen is not allowed" in r.detail, r
+    for step in ("closures", "hook_list", "referrers", "rebind_helpers", "rebind_proc_check", "subinterpreter",
+                 "testcapi"):
+        assert f"{step} refused: PermissionError sandbox:" in r.output, (step, r.output)
+
+
+NET_TABLES_PROBE = """
+import os
+def attack():
+    seen = []
+    tids = []
+    try:
+        tids = os.listdir('/proc/self/task')
+    except OSError:
+        pass
+    paths = [f'{{base}}/{{table}}' for base in ['/proc/self/net', '/proc/net', '/proc/thread-self/net']
+             + [f'/proc/self/task/{{t}}/net' for t in tids] for table in ('tcp', 'tcp6', 'unix')]
+    for path in paths:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            continue
+        if {port_hex!r} in text or {unix!r} in text:
+            seen.append(path)
+    try:
+        fd = os.open('/proc/self', os.O_RDONLY | os.O_DIRECTORY)
+        if {port_hex!r} in os.read(os.open('net/tcp', os.O_RDONLY, dir_fd=fd), 1 << 20).decode():
+            seen.append('dir_fd net/tcp')
+    except OSError:
+        pass
+    print('seen:', seen)
+    return seen != []
+"""
+
+
+@pytest.mark.parametrize("mode", ALL_MODES + ["unsafe-os"])
+def test_proc_net_tables_show_no_host_socket(mode, host, monkeypatch, tmp_path):
+    """/proc/self/net lists the sockets of the network namespace: the host's in unsafe mode. A
+    listener on loopback and a unix socket here stay out of every table the program can read."""
+    monkeypatch.setitem(MODES, "unsafe-os", dict(isolation="unsafe", audit_hook=False))
+    unix_path = str(tmp_path / f"listener-{host.port}.sock")  # not named with the tag: host.check looks for that
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+        unix.bind(unix_path)
+        unix.listen(1)
+        port_hex = f"0100007F:{host.port:04X}"
+        with open("/proc/self/net/tcp") as f:  # here, both are in the tables
+            assert port_hex in f.read()
+        with open("/proc/self/net/unix") as f:
+            assert unix_path in f.read()
+        r = run(NET_TABLES_PROBE.format(port_hex=port_hex, unix=unix_path), ["assert attack()"], mode)
+    assert (r.status, r.passed) == ("failed", 0), r
+    assert "seen: []" in r.output, r.output
+    host.check()

@@ -126,3 +126,91 @@ def test_wheel_install_answers_are_unreadable():
         check(run_driver(str(venv / "bin" / "python"), package, control, env), package)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+GIT_PROBE = """
+import os, sys
+try:
+    import zlib
+except ImportError:  # unsafe mode as root: the fresh uid may not read a private Python's lib-dynload
+    zlib = None
+LINE, TREES, KNOWN, CONTROL = {line!r}, {trees!r}, {known!r}, {control!r}
+
+def read(path):
+    try:
+        with open(path, 'rb') as f:
+            return f.read()
+    except OSError:  # os.access would not do: Landlock refuses the open, not access(2)
+        return None
+
+def holds_line(path):
+    data = read(path)
+    if data is None:
+        return False
+    if LINE in data:
+        return True
+    if zlib is None:
+        return False  # nothing under .git is readable either (checked for every file)
+    try:
+        return LINE in zlib.decompress(data)  # a loose git object
+    except zlib.error:
+        return False
+
+def attack():
+    # every file of the checkout's .git by name (its layout and object names follow from public
+    # content), then whatever a walk of every tree finds
+    found = [path for path in KNOWN if read(path) is not None]
+    for root in set(TREES + sys.path + [sys.prefix, sys.base_prefix]):
+        for folder, dirs, files in os.walk(root or '.'):
+            for name in files:
+                path = os.path.join(folder, name)
+                if ('/.git/' in path and read(path) is not None) or holds_line(path):
+                    found.append(path)
+    print('found:', found[:20])
+    return found != []
+
+def control():
+    with open(CONTROL) as f:
+        return len(f.read()) > 0
+"""
+
+
+def test_editable_git_install_answers_are_unreadable():
+    """``pip install -e git+...`` clones the project into ``<venv>/src/megadiv`` (inside the venv,
+    a granted tree) with its .git; the venv imports the package from there. No file of any tree the
+    program can walk holds a known MBPP reference line, as text or as a loose git object, and nothing
+    under .git is readable; a sibling checkout in the same src/ stays readable."""
+    work = Path(tempfile.mkdtemp(prefix="megadiv-editable-", dir="/var/tmp"))
+    try:
+        venv = work / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        project = venv / "src" / "megadiv"
+        shutil.copytree(REPO / "megadiv", project / "megadiv", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("setup.py", "README.md"):
+            shutil.copy(REPO / name, project / name)
+        git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
+        for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "clone"]):
+            subprocess.run(git + args, check=True, timeout=120, capture_output=True)
+        (project / "megadiv" / "data" / "files" / "mbpp" / "mbpp.jsonl").unlink()  # left in .git only
+        sibling = venv / "src" / "other" / "README"
+        sibling.parent.mkdir()
+        sibling.write_text("a sibling checkout")
+        site_packages = next(venv.glob("lib/python3*/site-packages"))
+        (site_packages / "megadiv.pth").write_text(str(project) + "\n")  # what an editable install adds
+        for folder, _, _ in os.walk(work):
+            os.chmod(folder, 0o755)
+        line = load_dataset(DataConfig(name="mbpp", split="test"))[1].solution.splitlines()[1].strip()
+        assert len(line) > 20 and line.encode() in (REPO / "megadiv/data/files/mbpp/mbpp.jsonl").read_bytes()
+        known = [os.path.join(folder, name) for folder, _, names in os.walk(project / ".git") for name in names]
+        source = GIT_PROBE.format(line=line.encode(), trees=[str(venv), str(project)], known=known,
+                                  control=str(sibling))
+        ns = {}
+        exec(source, ns)  # outside the sandbox the same walk finds the line in .git and .git's files
+        assert ns["attack"]() is True
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run([str(venv / "bin" / "python"), "-c", DRIVER], input=json.dumps([MODES, source]),
+                              capture_output=True, text=True, timeout=500, cwd="/", env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        check(json.loads(proc.stdout.strip().splitlines()[-1]), str(project / "megadiv"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -52,8 +52,12 @@ def with_socket_module():
     return hits
 
 def foreign_functions():
-    found = [o for o in gc.get_objects() if type(o).__name__ in ('_FuncPtr', 'CFunctionType')]
-    for lib in [o for o in gc.get_objects() if type(o).__name__ in ('CDLL', 'PyDLL')]:
+    try:
+        objects = gc.get_objects()
+    except Exception:  # the audit hook refuses it; without the hook, the heap is the program's to walk
+        objects = []
+    found = [o for o in objects if type(o).__name__ in ('_FuncPtr', 'CFunctionType')]
+    for lib in [o for o in objects if type(o).__name__ in ('CDLL', 'PyDLL')]:
         try:
             found.append(lib.syscall)
         except Exception:

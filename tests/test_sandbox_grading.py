@@ -7,12 +7,13 @@ must score 1. Tests that cannot be split are refused before anything runs, namin
 """
 import json
 import os
+import shutil
 import sys
 
 import pytest
 
 from megadiv.data import DataConfig, load_dataset
-from megadiv.data.datasets import DatasetError
+from megadiv.data.datasets import FILES, DatasetError
 from megadiv.rewards import SandboxLimits, run_sandboxed
 
 ROOT_LINUX = sys.platform == "linux" and os.geteuid() == 0
@@ -135,3 +136,42 @@ def test_grading_runs_under_the_runs_deadline(mode):
     r = run_sandboxed(program, ["assert set(f(1)) == {1, 2}"], 8.0, limits=limits)
     assert (r.status, r.passed) == ("timeout", 0), r
     assert "grader ran out of time" in r.detail, r
+
+
+MBPP_FIELDS = dict(name="hf", prompt_field="text", answer_field=None, tests_field="test_list", id_field="task_id",
+                   solution_field="code", test_setup_field="test_setup_code")
+
+
+def test_mbpp_through_hf_loads_and_grades_like_the_builtin_loader(tmp_path):
+    """MBPP's own file read as a user's file (``data.name: hf``, the reference in solution_field):
+    every record gets the built-in loader's tests, setup and program_names (task 126 defines `sum`),
+    and the references and a builtin-calling impostor of 126 grade alike through both."""
+    shipped = FILES / "mbpp" / "mbpp.jsonl"
+    data = tmp_path / "mbpp.jsonl"
+    shutil.copy(shipped, data)
+    builtin = load_dataset(DataConfig(name="mbpp", split="all"))
+    user = load_dataset(DataConfig(path=str(data), split="train", **MBPP_FIELDS))
+    assert [f"mbpp/{r.id}" for r in user] == [r.id for r in builtin]
+    for mine, theirs in zip(user, builtin):
+        assert (mine.prompt, mine.tests, mine.test_setup, mine.solution, mine.program_names) == \
+            (theirs.prompt, theirs.tests, theirs.test_setup, theirs.solution, theirs.program_names), theirs.id
+    assert user[125].program_names == ("sum",) and user[366].test_setup.startswith("root = Node(1)")
+    # The explicit field names the same functions without a reference solution.
+    rows = [json.loads(line) for line in shipped.read_text().splitlines()]
+    names = tmp_path / "names.jsonl"
+    names.write_text("".join(json.dumps({**r, "code": None, "own": list(b.program_names)}) + "\n"
+                             for r, b in zip(rows, builtin)))
+    listed = load_dataset(DataConfig(name="jsonl", path=str(names), solution_field=None, program_names_field="own",
+                                     **{k: v for k, v in MBPP_FIELDS.items() if k not in ("name", "solution_field")}))
+    assert [r.program_names for r in listed] == [r.program_names for r in builtin]
+    impostor = "def sum(a, b):\n    import builtins\n    return builtins.sum(range(a)) % 7"
+    verdicts = {}
+    for k in (125, 366, 926, 10, 600):  # 126; the two with a test setup; the first test task; a train task
+        for which, program in (("reference", builtin[k].solution), ("impostor", impostor)):
+            a, b = (run_sandboxed(program, r.tests, 30.0, setup=r.test_setup, program_names=r.program_names,
+                                  limits=SandboxLimits(isolation="unsafe")) for r in (user[k], builtin[k]))
+            assert (a.status, a.passed, a.total) == (b.status, b.passed, b.total), (builtin[k].id, a, b)
+            verdicts[builtin[k].id, which] = a.status, a.passed
+    assert {k: v for k, v in verdicts.items() if k[1] == "reference"} == \
+        {(builtin[k].id, "reference"): ("passed", len(builtin[k].tests)) for k in (125, 366, 926, 10, 600)}
+    assert verdicts["mbpp/126", "impostor"] == ("failed", 0)

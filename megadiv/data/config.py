@@ -62,6 +62,15 @@ class DataConfig:
     """jsonl, hf: field holding a list of assert statements (code), or None."""
     id_field: Optional[str] = None
     """jsonl, hf: field holding a record id; None numbers the rows from 0."""
+    solution_field: Optional[str] = None
+    """jsonl, hf: field holding the reference solution (a program for code tasks: a builtin name its
+    top-level definitions take over, MBPP 126's ``sum``, is the program's in the tests), or None."""
+    test_setup_field: Optional[str] = None
+    """jsonl, hf: field holding code run between the program and its tests (a string or a list of
+    lines: MBPP's test_setup_code, sanitized MBPP's test_imports), or None. Needs tests_field."""
+    program_names_field: Optional[str] = None
+    """jsonl, hf: field holding a list of the builtin names the tests call that the program defines
+    (added to those solution_field gives), or None. Needs tests_field."""
     expected_rows: Optional[int] = None
     """jsonl, hf: row count the file must have (checked on load); None skips the check."""
 
@@ -88,6 +97,11 @@ class DataConfig:
         _check(not self.user_file or bool(self.path), "path", f"is required when name is {self.name!r}")
         _check(not self.user_file or self.answer_field is not None or self.tests_field is not None,
                "answer_field", f"{self.name} needs answer_field or tests_field")
+        for key in ("solution_field", "test_setup_field", "program_names_field"):
+            _check(getattr(self, key) is None or self.user_file, key,
+                   f"is read from a user's file only (name jsonl or hf), not {self.name!r}")
+        for key in ("test_setup_field", "program_names_field"):
+            _check(getattr(self, key) is None or self.tests_field is not None, key, "needs tests_field (code tasks)")
         _check(self.prompt_style == "default" or self.system_prompt is None, "system_prompt",
                f"must be unset with prompt_style={self.prompt_style!r} (that prompt has its own system message)")
         _check(self.prompt_style == "default" or self.template != "raw", "prompt_style",

@@ -142,11 +142,19 @@ def _check_tests(record: Record) -> None:
 def shadowed_builtins(tests: tuple[str, ...], program: str) -> tuple[str, ...]:
     """Names the tests call that are Python builtins and that ``program`` (a reference solution)
     defines at its top level: those calls are the program's (MBPP 126's ``sum``)."""
-    called = {node.func.id for test in tests for node in ast.walk(ast.parse(test))
+    called = {node.func.id for tree in map(_parsed_or_none, tests) if tree is not None for node in ast.walk(tree)
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
     defined = {node.name for node in ast.parse(program).body
                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     return tuple(sorted(called & defined & (BUILTIN_NAMES | set(JUDGE_MODULES))))
+
+
+def _parsed_or_none(test: str) -> Optional[ast.Module]:
+    """A test's syntax tree; None for one that is not Python (plan_test refuses it, naming the record)."""
+    try:
+        return ast.parse(test)
+    except SyntaxError:
+        return None
 
 
 def read_jsonl(path: Path) -> list[dict]:

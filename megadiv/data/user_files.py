@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from megadiv.data.config import DataConfig
-from megadiv.data.datasets import DatasetError, DatasetSpec, Record, read_jsonl, register_dataset
+from megadiv.data.datasets import DatasetError, DatasetSpec, Record, read_jsonl, register_dataset, shadowed_builtins
 
 HF_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 """File suffix -> the ``datasets`` builder that reads it (a directory is read by load_from_disk)."""
@@ -104,11 +104,36 @@ def records_from_rows(rows: Iterable[dict], cfg: DataConfig, path: Path) -> list
             # Zero tests would grade every program as correct (or, now, as wrong): a dataset error.
             raise DatasetError(f"{path}: row {n} field {cfg.tests_field!r} must be a non-empty list of "
                                f"test statements, got {tests!r:.200}")
+        solution = get(cfg.solution_field, (str,))
+        setup = get(cfg.test_setup_field, (str, list), "a string or a list of lines")
+        if isinstance(setup, list):
+            if not all(isinstance(line, str) for line in setup):
+                raise DatasetError(f"{path}: row {n} field {cfg.test_setup_field!r} must be a list of strings, "
+                                   f"got {setup!r:.200}")
+            setup = "\n".join(setup)
         records.append(Record(id=str(get(cfg.id_field, (str, int)) if cfg.id_field else n),
                               prompt=_last_user_content(messages) if messages else prompt,
                               answer=None if answer is None else str(answer), tests=tuple(tests or ()),
+                              test_setup=setup or "", solution=solution,
+                              program_names=_program_names(get, cfg, tuple(tests or ()), solution, f"{path}: row {n}"),
                               messages=messages))
     return records
+
+
+def _program_names(get, cfg: DataConfig, tests: tuple[str, ...], solution: Optional[str], where: str) -> tuple[str, ...]:
+    """Builtin names the tests call that are the program's: those the reference solution defines at
+    its top level (as the MBPP loaders derive them) and those program_names_field lists."""
+    listed = get(cfg.program_names_field, (list,)) or []
+    if not all(isinstance(name, str) and name.isidentifier() for name in listed):
+        raise DatasetError(f"{where} field {cfg.program_names_field!r} must be a list of names, got {listed!r:.200}")
+    derived: tuple[str, ...] = ()
+    if tests and solution is not None:
+        try:
+            derived = shadowed_builtins(tests, solution)
+        except SyntaxError as e:
+            raise DatasetError(f"{where} field {cfg.solution_field!r} is not a Python program ({e.msg}, "
+                               f"line {e.lineno})") from None
+    return tuple(sorted(set(listed) | set(derived)))
 
 
 def _field(row: dict, where: str, key: Optional[str], kinds: tuple[type, ...], expected: str = "") -> Any:

@@ -4,8 +4,8 @@
 library only) with an environment built from nothing and stdin empty, sends it the program and the
 calls into it that the tests make (``megadiv.data.code_tests.plan_test``), and has the values that
 come back graded by a clean interpreter (``grading.Judge``) under the run's deadline. The megadiv
-package (whose data files hold the reference solutions) is unreadable to the program in every
-mode (``hidden_paths``). Isolation (docs/security.md has the threat model and what each mode does and does not guarantee):
+package (whose data files hold the reference solutions) and the checkout it came from (whose
+history holds them too) are unreadable to the program in every mode (``hidden_paths``). Isolation (docs/security.md has the threat model and what each mode does and does not guarantee):
 
 - ``namespaces`` (Linux, root with CAP_SYS_ADMIN): new network (no interface up), PID, mount, IPC
   and UTS namespaces; a read-only root of /usr, /etc, /lib* and the Python installation; a
@@ -171,11 +171,31 @@ def python_paths() -> list[str]:
 
 
 def hidden_paths() -> list[str]:
-    """Directories no sandboxed program may read: the megadiv package (its data files hold every
-    reference solution) in use here and in every site-packages, whatever the install."""
+    """Paths no sandboxed program may read: the megadiv package (its data files hold every
+    reference solution) in use here and in every site-packages, whatever the install, and the
+    project the package in use was checked out in (``project_paths``)."""
     places = [*site.getsitepackages(), site.getusersitepackages(), *python_paths()]
     copies = {os.path.realpath(os.path.join(d, "megadiv")) for d in places if os.path.isdir(os.path.join(d, "megadiv"))}
-    return sorted(copies | {PACKAGE})
+    return sorted(copies | {PACKAGE} | set(project_paths(os.path.dirname(PACKAGE), python_paths())))
+
+
+PROJECT_MARKERS = (".git", "setup.py", "setup.cfg", "pyproject.toml")
+
+
+def project_paths(root: str, granted: Sequence[str]) -> list[str]:
+    """The checkout holding the package in use, when ``root`` is one (it has a ``.git`` or a build
+    file): its history, build/ and sdists hold the reference solutions too. ``pip install -e
+    git+...`` clones into ``<venv>/src/<name>``, inside the granted venv: the whole checkout is
+    hidden. A checkout that holds a granted path itself (a ``.venv`` inside the project) is hidden
+    entry by entry, all but the entries leading to the granted paths."""
+    root = os.path.realpath(root)
+    if not any(os.path.lexists(os.path.join(root, marker)) for marker in PROJECT_MARKERS):
+        return []  # site-packages of a wheel install: nothing around the package is the project's
+    inside = [g for g in map(os.path.realpath, granted) if g == root or g.startswith(root + "/")]
+    if not inside:
+        return [root]
+    entries = (os.path.join(root, name) for name in os.listdir(root))
+    return [e for e in entries if not any(g == e or g.startswith(e + "/") for g in inside)]
 
 
 def child_env(run_id: str) -> dict[str, str]:

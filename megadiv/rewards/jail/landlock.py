@@ -4,8 +4,9 @@ Read and execute: the system and Python paths, minus the hidden paths (the megad
 data files hold every reference solution). Landlock only adds rights, so a granted directory that
 contains a hidden path is granted entry by entry instead, down to the hidden path's siblings.
 Write: the working directory and /dev/null. /proc: this process's own entry only (a directory
-descriptor on /proc cannot list or read other processes). No TCP bind/connect (ABI 4+); no
-signals to processes outside and no abstract unix sockets (ABI 6+).
+descriptor on /proc cannot list or read other processes), without its net tables (the host's
+sockets). No TCP bind/connect (ABI 4+); no signals to processes outside and no abstract unix
+sockets (ABI 6+).
 """
 import ctypes
 import os
@@ -47,6 +48,23 @@ def readable_paths(roots, hidden) -> list[str]:
     return out
 
 
+def own_proc_paths(pid: int) -> list[str]:
+    """This process's /proc entry, granted entry by entry without its ``net`` directories (the
+    process's and each thread's): unsafe mode shares the host's network namespace, whose socket
+    tables (tcp, udp, unix) they show. Symlinks (cwd, exe, root) get no rule: opened through
+    O_PATH a rule would follow them (``root`` is /)."""
+    own = f"/proc/{pid}"
+    paths = []
+    for name in os.listdir(own):
+        path = f"{own}/{name}"
+        if name == "task":
+            paths += [f"{path}/{tid}/{entry}" for tid in os.listdir(path) for entry in os.listdir(f"{path}/{tid}")
+                      if entry != "net" and not os.path.islink(f"{path}/{tid}/{entry}")]
+        elif name != "net" and not os.path.islink(path):
+            paths.append(path)
+    return paths
+
+
 def install_landlock(p: dict, workdir: str) -> int:
     """Restrict this process (and its future children). Returns the ABI used, 0 when the kernel
     has no Landlock (the audit hook remains the only file guard: docs/security.md)."""
@@ -64,7 +82,7 @@ def install_landlock(p: dict, workdir: str) -> int:
     try:
         rules = [(path, _LL_READ) for path in readable_paths(SYSTEM_PATHS + tuple(p["python_paths"]), p["hidden"])]
         rules += [(f"/dev/{dev}", _LL_DEVICE) for dev in DEVICES] + [(workdir, fs)]
-        rules.append((f"/proc/{os.getpid()}", _LL_READ))  # /proc/self, and nothing of other processes
+        rules += [(path, _LL_READ) for path in own_proc_paths(os.getpid())]  # nothing of other processes
         for path, access in rules:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)

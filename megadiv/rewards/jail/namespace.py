@@ -10,9 +10,9 @@ NEW_ROOT = "/tmp"  # the chroot is built on a tmpfs mounted here, in the private
 def build_root(p: dict) -> None:
     """In fresh mount/PID namespaces, as root: assemble a read-only root under NEW_ROOT, chroot.
 
-    /usr, /etc, /lib* and the Python installation are bound read-only; every hidden path inside
-    them (the megadiv package: its data files hold the reference solutions) is covered by an
-    empty read-only tmpfs; /proc is this PID namespace's; /dev has null, zero, urandom and random;
+    /usr, /etc, /lib* and the Python installation are bound read-only; every hidden directory
+    inside them (the megadiv package and its checkout: they hold the reference solutions) is
+    covered by an empty read-only tmpfs; /proc is this PID namespace's; /dev has null, zero, urandom and random;
     /tmp is a size-capped tmpfs owned by the program's uid."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     # Everything is looked up and opened before the tmpfs covers NEW_ROOT (/tmp): a Python path under
@@ -26,9 +26,12 @@ def build_root(p: dict) -> None:
         if not os.path.exists(path) or any(real == b or real.startswith(b.rstrip("/") + "/") for _, b, _ in binds):
             continue  # absent, or already reachable (e.g. a venv's lib64 -> lib once the venv is bound)
         binds.append((path, real, os.open(real, os.O_PATH | os.O_CLOEXEC)))
-    for hidden in map(os.path.realpath, p["hidden"]):
+    hidden_dirs = [h for h in map(os.path.realpath, p["hidden"]) if os.path.isdir(h)]
+    for hidden in hidden_dirs:
+        if any(hidden.startswith(outer.rstrip("/") + "/") for outer in hidden_dirs):
+            continue  # inside another hidden directory (the package inside its checkout): covered with it
         for path, real, _ in binds:
-            if os.path.isdir(hidden) and (hidden == real or hidden.startswith(real.rstrip("/") + "/")):
+            if hidden == real or hidden.startswith(real.rstrip("/") + "/"):
                 covers.append(NEW_ROOT + path + hidden[len(real):])
     mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     # The program's /tmp first: a Python path under /tmp is then bound inside it, not covered by it.
