@@ -160,7 +160,7 @@ class FleetEngine:
         for url in [u for u in self.members if u not in urls]:
             self.drop(url, "the trainer's fleet no longer pushes to it")
         for url in [u for u in urls if u not in self.members]:
-            self.members[url] = SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=(url,)))
+            self.members[url] = self._attach(url)
             self.dropped.pop(url, None)
             log.info("rollout fleet: %s is back, serving on %s", url, list(self.members))
 
@@ -169,13 +169,17 @@ class FleetEngine:
         the fleet, so this sync gives it the current weights before it serves anything."""
         for url in [u for u in self.dropped if u in self.cfg.server_urls and _answers(u)]:
             try:
-                member = SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=(url,)))
+                member = self._attach(url)
             except RolloutError as e:
                 log.warning("rollout fleet: %s answers again but cannot rejoin: %s", url, _short(e))
                 continue
             del self.dropped[url]
             self.members[url] = member
             log.warning("rollout fleet: %s answers again and rejoins; this sync gives it the current weights", url)
+
+    def _attach(self, url: str) -> SGLangEngine:
+        """A member engine for the running server at ``url``."""
+        return SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=(url,)))
 
     def drop(self, url: str, why: str) -> None:
         """Take ``url`` out of the fleet (a launched server is stopped): it failed its heartbeat or
