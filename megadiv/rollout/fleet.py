@@ -150,7 +150,7 @@ class FleetEngine:
         """A stream of GRPO groups over the live servers (fleet_stream.py)."""
         if self._paused:
             raise RolloutError("the engine is paused: call resume() before generating")
-        return FleetStream(self, params)
+        return FleetStream(self.urls, self.cfg, params, on_lost=self.drop)
 
     def adopt(self, urls: Sequence[str]) -> None:
         """Serve on exactly ``urls`` (the servers rank 0 has just pushed the current weights to):

@@ -36,17 +36,15 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import requests
 
+from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutError, SamplingParams
 from megadiv.rollout.sglang_engine import parse_completion, sampling_payload
 from megadiv.rollout.stream import GroupResult, StreamStats
 from megadiv.rollout.weight_sync import post
-
-if TYPE_CHECKING:
-    from megadiv.rollout.fleet import FleetEngine
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +58,12 @@ class _Group:
 
 
 class FleetStream:
-    """The GroupStream over a FleetEngine's servers (see the module docstring)."""
+    """The GroupStream over a fleet's servers (see the module docstring). ``on_lost(url, why)`` is
+    told of each server the stream drops (FleetEngine.drop), so the fleet stops using it too."""
 
-    def __init__(self, fleet: FleetEngine, params: SamplingParams):
-        self.fleet, self.params, self.cfg = fleet, params, fleet.cfg
+    def __init__(self, urls: Sequence[str], cfg: RolloutConfig, params: SamplingParams,
+                 on_lost: Callable[[str, str], None]):
+        self.params, self.cfg, self._on_lost = params, cfg, on_lost
         self.stats = StreamStats()
         self._payload = {"sampling_params": sampling_payload(params), "return_logprob": True}
         self._waiting: deque[_Group] = deque()
@@ -75,7 +75,7 @@ class FleetStream:
         self._capacity: dict[str, int] = {}
         self._lost: dict[str, str] = {}      # server -> why it was dropped
         unreachable = {}
-        for url in fleet.urls:
+        for url in urls:
             try:
                 self._capacity[url] = self.cfg.max_inflight_groups or max(1, _batch_size(url) // params.n)
             except requests.RequestException as e:
@@ -162,7 +162,7 @@ class FleetStream:
         self.stats.resent_groups += len(resent)
         log.warning("rollout: dropped SGLang server %s (%s); %d groups re-sent, %d servers left", url, why,
                     len(resent), len(self._load))
-        self.fleet.drop(url, why)
+        self._on_lost(url, why)
         self._check_servers_left()
         self._dispatch()
 
