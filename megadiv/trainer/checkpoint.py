@@ -331,9 +331,7 @@ class CheckpointSaver:
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True)
             dist.barrier()
-            rng = partial / f"rng_{rank}.pt"
-            torch.save(_rng_state(), rng)
-            mine = {rng.name: [rng.stat().st_size, file_checksum(rng)]}
+            rng_state = _rng_state()  # written after megatron's save, which wants partial/ empty
             self._in_flight = _SaveInFlight(step, partial, actor.backend, started)
             if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed, synchronous
                 actor.save_state(partial, _from_rank0(trainer_state))
@@ -343,7 +341,7 @@ class CheckpointSaver:
                     raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing}")
                 files = {str(f.relative_to(partial)): f.stat().st_size for f in (partial / "deepspeed").rglob("*")
                          if f.is_file()}
-                mine |= {name: [files[name], file_checksum(partial / name)]
+                mine = _save_rng(rng_state, partial, rank) | {name: [files[name], file_checksum(partial / name)]
                          for name in share_of(files, rank, dist.get_world_size())}
                 _record_written(partial, rank, mine, time.perf_counter() - started)
                 self._in_flight.blocking_s = time.perf_counter() - started
@@ -355,10 +353,11 @@ class CheckpointSaver:
             state["trainer"] = _from_rank0(trainer_state)
             state["adam_step"] = _adam_step(actor.optimizer)
             state["distributed_optimizer"] = actor.use_distributed_optimizer
-            if rank == 0:
-                write_metadata(actor.model, partial)
             request = dist_checkpointing.save(state, str(partial), sharded_strategy=self._save_strategy(),
                                               async_sharded_save=True)
+            if rank == 0:
+                write_metadata(actor.model, partial)
+            mine = _save_rng(rng_state, partial, rank)
             # the forked writer writes this rank's shards, then their checksums (_write_and_record)
             request = request._replace(async_fn=functools.partial(_write_and_record, request.async_fn, partial,
                                                                   rank, mine))
@@ -432,6 +431,13 @@ class CheckpointSaver:
         self._in_flight = None
         self._sealed = (save.step, {"checkpoint/blocking_s": save.blocking_s, "checkpoint/write_s": write_s,
                                     "checkpoint/total_s": time.perf_counter() - save.started})
+
+
+def _save_rng(state: dict, partial: Path, rank: int) -> dict:
+    """Write this rank's RNG file; its record entry (size, checksum)."""
+    rng = partial / f"rng_{rank}.pt"
+    torch.save(state, rng)
+    return {rng.name: [rng.stat().st_size, file_checksum(rng)]}
 
 
 WRITTEN = "written_{rank}.json"  # a rank's record of the files it wrote (merged into the manifest)
