@@ -297,12 +297,13 @@ class CheckpointSaver:
     seals the save in flight when every rank's writer has finished; ``wait`` blocks until it is
     sealed. Both return ``(step, figures)`` of a save they sealed: checkpoint/blocking_s (training
     stopped for it), checkpoint/write_s (the slowest rank's writer: shards and their checksums) and
-    checkpoint/total_s (from the save's start until sealed; at most a step later than written)."""
+    checkpoint/total_s (from the save's start until sealed; at most a step later than written),
+    for every save sealed since the last call (``save`` seals the one before it)."""
 
     def __init__(self, run_dir: Path, keep_last: int, parallel: ParallelConfig):
         self.root, self.keep_last, self.layout = checkpoint_root(run_dir), keep_last, layout_of(parallel)
         self._in_flight: _SaveInFlight | None = None
-        self._sealed: tuple[int, dict] | None = None
+        self._sealed: list[tuple[int, dict]] = []
         self._calls = None         # megatron's AsyncCallsQueue, made at the first save
         self._strategy = None      # megatron's fully parallel save strategy (its distribution cached)
         self._coordinates = None   # every rank's (tp, pp, dp), gathered at the first save
@@ -315,7 +316,7 @@ class CheckpointSaver:
         holds what the loop needs to continue: data position, counters, evaluation figures."""
         from megatron.core import dist_checkpointing
 
-        self.wait()
+        self._sealed = self.wait()  # the save before, sealed: its figures go out at the next poll
         started = time.perf_counter()
         partial = self.final(step).with_name(self.final(step).name + ".partial")
         rank = dist.get_rank()
@@ -365,14 +366,14 @@ class CheckpointSaver:
             self._async_calls().schedule_async_request(request)  # stages on the host, forks the writer
         self._in_flight.blocking_s = time.perf_counter() - started
 
-    def poll(self) -> tuple[int, dict] | None:
+    def poll(self) -> list[tuple[int, dict]]:
         """Seal the save in flight if every rank's writer is done (collective: one all-reduce)."""
         if self._in_flight is not None and self._in_flight.backend == "megatron":
             with self._writing(self._in_flight.partial):
                 self._calls.maybe_finalize_async_calls(blocking=False)
         return self._take_sealed()
 
-    def wait(self) -> tuple[int, dict] | None:
+    def wait(self) -> list[tuple[int, dict]]:
         """Block until the save in flight is sealed (collective); shows its progress on rank 0."""
         if self._in_flight is not None and self._in_flight.backend == "megatron":
             partial = self._in_flight.partial
@@ -384,8 +385,8 @@ class CheckpointSaver:
                 self._calls.maybe_finalize_async_calls(blocking=True)
         return self._take_sealed()
 
-    def _take_sealed(self) -> tuple[int, dict] | None:
-        sealed, self._sealed = self._sealed, None
+    def _take_sealed(self) -> list[tuple[int, dict]]:
+        sealed, self._sealed = self._sealed, []
         return sealed
 
     def _writing(self, partial: Path):
@@ -429,8 +430,8 @@ class CheckpointSaver:
             write_s = None
         dist.barrier()
         self._in_flight = None
-        self._sealed = (save.step, {"checkpoint/blocking_s": save.blocking_s, "checkpoint/write_s": write_s,
-                                    "checkpoint/total_s": time.perf_counter() - save.started})
+        self._sealed.append((save.step, {"checkpoint/blocking_s": save.blocking_s, "checkpoint/write_s": write_s,
+                                         "checkpoint/total_s": time.perf_counter() - save.started}))
 
 
 def _save_rng(state: dict, partial: Path, rank: int) -> dict:
@@ -450,8 +451,11 @@ def _write_and_record(write, partial: Path, rank: int, mine: dict, *args, **kwar
     started = time.perf_counter()
     if write is not None:
         write(*args, **kwargs)
-    shards = {f.name: [f.stat().st_size, file_checksum(f)] for f in sorted(partial.glob(f"__{rank}_*.distcp"))}
-    _record_written(partial, rank, mine | shards, time.perf_counter() - started)
+    try:
+        shards = {f.name: [f.stat().st_size, file_checksum(f)] for f in sorted(partial.glob(f"__{rank}_*.distcp"))}
+        _record_written(partial, rank, mine | shards, time.perf_counter() - started)
+    except OSError:  # a full disk: the write's own error (megatron's results queue) names it at the seal,
+        return       # else the missing record does; a traceback from this process would only echo it
 
 
 def _record_written(partial: Path, rank: int, files: dict, seconds: float) -> None:

@@ -98,11 +98,12 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                 sync = _sync_weights(cfg, actor, rollout, probe, step)          # (batch ahead done) push, probe
             evaluates = cfg.eval.every and step % cfg.eval.every == 0
             evaluated = rollout.evaluate() if evaluates else {}
-            _log_saved(logger, saver.poll())                                    # an earlier save, sealed
+            saves = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last
+            _log_saved(logger, saver.wait() if saves else saver.poll())         # the save before, sealed
             logger.log(step, rollout_metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
             state |= rollout.state_dict(step)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
+            if saves:
                 saver.save(step, actor, state)                                  # written in the background
         _log_saved(logger, saver.wait())
         if last < cfg.grpo.steps:
@@ -130,10 +131,10 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         parallel.shutdown()
 
 
-def _log_saved(logger: MetricsLogger, sealed: tuple[int, dict] | None) -> None:
-    """A sealed checkpoint's seconds (blocking, writing, in all) as a record of the step it holds."""
-    if sealed is not None:
-        logger.log(sealed[0], {k: v for k, v in sealed[1].items() if v is not None}, prefix="checkpoint")
+def _log_saved(logger: MetricsLogger, sealed: list[tuple[int, dict]]) -> None:
+    """Each sealed checkpoint's seconds (blocking, writing, in all) as a record of the step it holds."""
+    for step, figures in sealed:
+        logger.log(step, {k: v for k, v in figures.items() if v is not None}, prefix="checkpoint")
 
 
 def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, rows: ReplicaRows, pad_id: int) -> dict:

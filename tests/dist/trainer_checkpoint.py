@@ -38,7 +38,7 @@ def save_then_continue(ctx):
     saver.save(2, actor, {"step": 2})
     draws = torch.rand(4).tolist()  # the RNG streams the checkpoint holds (training draws nothing: dropout 0)
     third = _step(actor, info)  # changes the weights and the optimizer state the writer is writing
-    sealed = saver.wait()
+    (sealed,) = saver.wait()
     return {"third": third, "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b},
             "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__,
             "sealed": sealed, "draws": draws}
