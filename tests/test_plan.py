@@ -155,11 +155,12 @@ def test_logits_are_planned_at_the_response_positions_only(capsys):
     assert two["logits"] == 2 * one["logits"]
 
 
-def test_rank0_counts_each_servers_sync_buffers_and_the_host_memory_of_a_checkpoint(capsys):
-    """Attached servers (weights broadcast from rank 0, one group each): rank 0 holds one flattened
-    copy of a bucket per server, the fleet's queued buckets and one NCCL communicator per server;
-    its host holds the model-space optimizer state the checkpoint gathers, its staged share of the
-    weights and the batch. A host too small for that makes the layout not fit."""
+def test_rank0_counts_the_sync_buffers_and_the_host_memory_of_a_checkpoint(capsys):
+    """Attached servers: with the fleet's broadcast group rank 0 holds one flattened copy of a
+    bucket and one NCCL communicator, whatever the fleet's size; without one (sync_method=disk)
+    the buckets queued for each member's sync. Its host holds the model-space optimizer state the
+    checkpoint gathers, its staged share of the weights and the batch. A host too small for that
+    makes the layout not fit."""
     from megadiv.cli.plan import QUEUE_DEPTH
     from megadiv.models.plan import BATCH_BYTES_PER_TOKEN, NCCL_COMMUNICATOR_BYTES
 
@@ -170,12 +171,14 @@ def test_rank0_counts_each_servers_sync_buffers_and_the_host_memory_of_a_checkpo
         assert rc == 0, err
         return json.loads(out)
 
-    one, four = plan(1), plan(4)
+    one, four, disk = plan(1), plan(4), plan(4, "rollout.sync_method=disk")
     bucket = 1 << 30  # examples/gsm8k/task.yaml's rollout.bucket_bytes
-    first, last = four["stages"][0]["components"], four["stages"][-1]["components"]
-    assert first["sync_communicators"] == 4 * NCCL_COMMUNICATOR_BYTES and last["sync_communicators"] == 0
-    assert first["weight_sync_buckets"] == bucket * (1 + 4 + QUEUE_DEPTH + 1) and last["weight_sync_buckets"] == bucket
-    assert one["stages"][0]["components"]["weight_sync_buckets"] == 2 * bucket  # one server: no fleet queue
+    for p in (one, four):
+        first, last = p["stages"][0]["components"], p["stages"][-1]["components"]
+        assert first["sync_communicators"] == NCCL_COMMUNICATOR_BYTES and last["sync_communicators"] == 0
+        assert first["weight_sync_buckets"] == 2 * bucket and last["weight_sync_buckets"] == bucket
+    first = disk["stages"][0]["components"]
+    assert first["sync_communicators"] == 0 and first["weight_sync_buckets"] == bucket * (1 + QUEUE_DEPTH + 1)
     host = four["host_components"]
     tokens = 64 * 8 * (512 + 2048)  # prompts_per_step x n_samples x (prompt + rollout.max_new_tokens)
     assert host["batch"] == tokens * BATCH_BYTES_PER_TOKEN
