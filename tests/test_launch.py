@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
-from tests.test_trainer import CONFIG, TINY, step_records
+from tests.test_trainer import CONFIG, TINY, hf_weights, step_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,32 +51,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _node_command(run_dir: Path, *overrides: str) -> tuple[list[str], dict]:
+    """multinode.sh for one 'node' of a two-node DP=2 run on 127.0.0.1 (one rank per launcher)."""
+    env = {**os.environ, "MASTER": "127.0.0.1", "NNODES": "2", "GPUS_PER_NODE": "1", "PORT": str(_free_port()),
+           "RUN_ID": f"loopback-{run_dir.name}", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = ["bash", str(REPO / "examples" / "launch" / "multinode.sh"), str(CONFIG), f"run.output_dir={run_dir.parent}",
+           f"run.name={run_dir.name}", f"model.hf_dir={run_dir}/init", *TINY, "parallel.tensor_parallel=1",
+           "grpo.micro_batch_size=4", "eval.every=0", "eval.samples=0", "eval.data.max_items=8", *overrides]
+    return cmd, env
+
+
+def _start_node(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _kill_node(node: subprocess.Popen) -> str:
+    """SIGKILL a launcher and every process below it: torchrun starts its ranks in sessions of
+    their own, so the launcher's process group alone would leave a rank running."""
+    try:
+        procs = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return node.communicate()[0] or ""
+
+
+def _finish_nodes(nodes: list[subprocess.Popen], timeout_s: float = 900) -> list[str]:
+    """Each launcher's output once all have exited (rc 0 asserted); killed by process group on a timeout."""
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=timeout_s)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the two-node run did not finish in {timeout_s:.0f} s")
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                _kill_node(node)
+    assert all(node.returncode == 0 for node in nodes), "\n--- next launcher ---\n".join(
+        f"rc {node.returncode}: {out[-5000:]}" for node, out in zip(nodes, outputs))
+    return outputs
+
+
 @pytest.mark.slow
 def test_multinode_script_runs_two_nodes_on_loopback(tmp_path):
     """Two launcher processes, one rank each, rendezvous over c10d on 127.0.0.1: a two-'node'
     DP=2 GRPO run through multinode.sh to summary.json."""
     run_dir = tmp_path / "two-nodes"
-    env = {**os.environ, "MASTER": "127.0.0.1", "NNODES": "2", "GPUS_PER_NODE": "1", "PORT": str(_free_port()),
-           "RUN_ID": "loopback-test", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = ["bash", str(REPO / "examples" / "launch" / "multinode.sh"), str(CONFIG), f"run.output_dir={tmp_path}",
-           f"run.name={run_dir.name}", f"model.hf_dir={run_dir}/init", *TINY, "parallel.tensor_parallel=1", "grpo.micro_batch_size=4",
-           "grpo.steps=1", "eval.every=0", "eval.samples=0", "eval.data.max_items=8"]
-    nodes = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for _ in range(2)]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=600)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail("the two-node run did not finish in 600 s")
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.communicate()
-    for node, out in zip(nodes, outputs):
-        assert node.returncode == 0, out[-6000:]
+    cmd, env = _node_command(run_dir, "grpo.steps=1")
+    outputs = _finish_nodes([_start_node(cmd, env) for _ in range(2)])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1
     (step,) = step_records(run_dir)
@@ -85,6 +116,48 @@ def test_multinode_script_runs_two_nodes_on_loopback(tmp_path):
     # quiet output (docs/cpu.md): the known-harmless dependency warnings are filtered at start-up
     noise = [line for out in outputs for line in out.splitlines() if "Warning:" in line]
     assert not noise, noise
+
+
+def _hosts_rendezvous(node: subprocess.Popen, port: int) -> bool:
+    """Whether this launcher (torchrun's agent: bash execs it) serves the c10d store on ``port``."""
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+               for c in psutil.Process(node.pid).net_connections(kind="tcp"))
+
+
+@pytest.mark.slow
+def test_a_two_node_run_survives_a_killed_node(tmp_path):
+    """The two-node run of 3 steps, a checkpoint after each, and the same run with the launcher
+    that does not host the rendezvous SIGKILLed with every process below it (agent, rank, writer)
+    once step 1's checkpoint is sealed, and a replacement launcher started as a scheduler would:
+    the surviving launcher restarts its rank (torchrun --max-restarts), both ranks resume from the
+    newest intact checkpoint, and the run ends with the uninterrupted run's final weights."""
+    steps = ["grpo.steps=3", "checkpoint.every=1", "grpo.overlong_buffer=3"]
+    straight = tmp_path / "straight"
+    cmd, env = _node_command(straight, *steps)
+    _finish_nodes([_start_node(cmd, env) for _ in range(2)])
+
+    faulty = tmp_path / "faulty"
+    cmd, env = _node_command(faulty, *steps)
+    nodes = [_start_node(cmd, env) for _ in range(2)]
+    sealed = faulty / "checkpoints" / "step_000001" / "manifest.json"
+    deadline = time.monotonic() + 900
+    while not sealed.exists():
+        if any(n.poll() is not None for n in nodes) or time.monotonic() > deadline:
+            pytest.fail(f"{sealed} never appeared: " + " / ".join(_kill_node(n)[-3000:] for n in nodes))
+        time.sleep(0.2)
+    port = int(env["PORT"])
+    victim = next(n for n in nodes if not _hosts_rendezvous(n, port))
+    survivor = next(n for n in nodes if n is not victim)
+    (first_rank,) = psutil.Process(survivor.pid).children()
+    _kill_node(victim)  # the node is lost
+    # the replacement comes once the survivor's rank has failed (its agent then rendezvouses anew)
+    psutil.wait_procs([first_rank], timeout=300)
+    outputs = _finish_nodes([survivor, _start_node(cmd, env)])
+    assert any("restart 1: resuming from" in out for out in outputs), outputs[0][-6000:]
+    assert json.loads((faulty / "summary.json").read_text())["steps"] == 3
+    assert [r["step"] for r in step_records(faulty)] == [1, 2, 3]
+    a, b = hf_weights(straight), hf_weights(faulty)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_more_ranks_than_gpus_on_a_node_is_refused_with_the_reason():

@@ -26,6 +26,7 @@ from megadiv.models.plan import (
 from tests.torchrun import run_torchrun
 
 MICRO_BATCH, SEQ_LEN = 2, 48
+GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,43 @@ def test_logits_are_planned_at_the_response_positions_only(capsys):
     assert short["logits"] == long["logits"] > 0 and long["activations"] > short["activations"]
     one, two = components(256, "rollout.max_new_tokens=1000"), components(256, "rollout.max_new_tokens=2000")
     assert two["logits"] == 2 * one["logits"]
+
+
+def test_rank0_counts_the_sync_buffers_and_the_host_memory_of_a_checkpoint(capsys):
+    """Attached servers: with the fleet's broadcast group rank 0 holds one flattened copy of a
+    bucket and one NCCL communicator, whatever the fleet's size; without one (sync_method=disk)
+    the buckets queued for each member's sync. Its host holds the model-space optimizer state the
+    checkpoint gathers, its staged share of the weights and the batch. A host too small for that
+    makes the layout not fit."""
+    from megadiv.cli.plan import QUEUE_DEPTH
+    from megadiv.models.plan import BATCH_BYTES_PER_TOKEN, NCCL_COMMUNICATOR_BYTES
+
+    def plan(servers: int, *extra: str) -> dict:
+        urls = ",".join(f"http://node{i}:30000" for i in range(servers))
+        rc, out, err = plan_cli(capsys, *recipe_args("qwen3-32b", "dapo", 2), f"rollout.server_urls=[{urls}]",
+                                "--json", *extra)
+        assert rc == 0, err
+        return json.loads(out)
+
+    one, four, disk = plan(1), plan(4), plan(4, "rollout.sync_method=disk")
+    bucket = 1 << 30  # examples/gsm8k/task.yaml's rollout.bucket_bytes
+    for p in (one, four):
+        first, last = p["stages"][0]["components"], p["stages"][-1]["components"]
+        assert first["sync_communicators"] == NCCL_COMMUNICATOR_BYTES and last["sync_communicators"] == 0
+        assert first["weight_sync_buckets"] == 2 * bucket and last["weight_sync_buckets"] == bucket
+    first = disk["stages"][0]["components"]
+    assert first["sync_communicators"] == 0 and first["weight_sync_buckets"] == bucket * (1 + QUEUE_DEPTH + 1)
+    host = four["host_components"]
+    tokens = 64 * 8 * (512 + 2048)  # prompts_per_step x n_samples x (prompt + rollout.max_new_tokens)
+    assert host["batch"] == tokens * BATCH_BYTES_PER_TOKEN
+    # the first stage's slice in model space: 3 fp32 tensors (main weight, two moments); at DP=1 the
+    # GPU's fp32 main weights are the whole slice
+    assert host["optimizer_state_gathered"] == 3 * four["stages"][0]["components"]["main_params_fp32"]
+    assert four["host_bytes_per_rank"] == 2048 * GIB // 8 and four["host_fits"] and four["fits"]
+    small = plan(4, "--host-memory-gib", "128")  # 16 GiB per rank: less than the gathered state
+    assert not small["host_fits"] and not small["fits"]
+    rc, out, _ = plan_cli(capsys, *recipe_args("qwen3-32b", "dapo", 2), "--host-memory-gib", "128")
+    assert rc == 0 and "of 16 GiB per rank (128 GiB per node): does NOT fit" in out
 
 
 def test_shipped_configs_count_as_transformers_does():

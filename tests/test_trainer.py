@@ -92,6 +92,12 @@ def test_two_grpo_steps_end_to_end(tmp_path, layout):
     assert f"run directory: {run_dir}" in out
     assert (run_dir / "curves.png").stat().st_size > 0 and any((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    # each checkpoint (written in the background) is a record of its own once sealed, in step order
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if "checkpoint/blocking_s" in r]
+    assert [r["step"] for r in saves] == [1, 2] and "checkpoint 2/2 | blocked_s " in out
+    assert all(0 < r["checkpoint/blocking_s"] <= r["checkpoint/total_s"] and r["checkpoint/write_s"] > 0 for r in saves)
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
     assert len(hf_weights(run_dir)) > 0
     # the exported policy evaluates with the run's prompt template, engine and length
     evaluated = subprocess.run([sys.executable, "-m", "megadiv.cli", "eval", "--model", str(run_dir / "hf"),

@@ -1,6 +1,8 @@
 """Trainer pieces: packing rows, shaping, dynamic sampling, and the Policy's layout independence."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -277,24 +279,48 @@ def test_full_vocabulary_regularizer_in_training_does_not_depend_on_the_layout(l
 
 
 @pytest.mark.slow
-def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
-    """Adam with the distributed optimizer at TP=1 x DP=2: two steps, a checkpoint, a third step.
-    The checkpoint loaded by fresh actors at DP=1 and at TP=2 continues with the same third step:
-    loss, grad norm, LR and weights equal the uninterrupted run to float32 reduction-order error
-    (the optimizer state in the checkpoint is model-space, 'fully_reshardable')."""
-    run_dir = str(tmp_path / "run")
+def test_a_dp2_checkpoint_written_by_both_ranks_resumes_at_dp1_dp4_and_tp2(tiny_model, tmp_path):
+    """Adam with the distributed optimizer at TP=1 x DP=2: two steps, a checkpoint written in the
+    background while the third step trains. Both ranks write shards (megatron's fully parallel
+    save), each rank's writer hashes its own files, and the sealed checkpoint verifies. Loaded by
+    fresh actors at DP=1, at DP=4 (ranks 2 and 3 have no saved RNG state: theirs is derived from
+    their coordinates) and at TP=2, it continues with the same third step: loss, grad norm, LR and
+    weights equal the uninterrupted run to float32 reduction-order error (the optimizer state in
+    the checkpoint is model-space, 'fully_reshardable')."""
+    from megadiv.trainer.checkpoint import CHECKSUM, MANIFEST, checkpoint_problem, file_checksum
+
+    run_dir = tmp_path / "run"
     straight = run_torchrun("tests.dist.trainer_checkpoint:save_then_continue", 2, timeout_s=600,
-                            args={"tp": 1, "hf_dir": tiny_model, "run_dir": run_dir})
+                            args={"tp": 1, "hf_dir": tiny_model, "run_dir": str(run_dir)})
     assert {r["optimizer"] for r in straight} == {"DistributedOptimizer"}
     ref = straight[0]
-    for tp, nproc in ((1, 1), (2, 2)):
+    step, figures = ref["sealed"]
+    assert step == 2 and figures.keys() == {"checkpoint/blocking_s", "checkpoint/write_s", "checkpoint/total_s"}
+    assert 0 < figures["checkpoint/blocking_s"] <= figures["checkpoint/total_s"]
+    assert 0 < figures["checkpoint/write_s"] <= figures["checkpoint/total_s"]
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    shards = {r: sorted(n for n in manifest["files"] if n.startswith(f"__{r}_")) for r in (0, 1)}
+    print("shards per rank:", shards)
+    assert all(shards.values()), shards  # both ranks wrote shards
+    assert manifest["ranks"] == [[0, 0, 0], [0, 0, 1]]
+    assert not list(ckpt.glob("written_*")) and checkpoint_problem(ckpt) is None
+    assert all(manifest[CHECKSUM][n] == file_checksum(ckpt / n) for n in manifest["files"])
+    for tp, nproc in ((1, 1), (1, 4), (2, 2)):
         resumed = run_torchrun("tests.dist.trainer_checkpoint:resume_and_step", nproc, timeout_s=600,
-                               args={"tp": tp, "hf_dir": tiny_model, "run_dir": run_dir})
+                               args={"tp": tp, "hf_dir": tiny_model, "run_dir": str(run_dir)})
+        # the ranks at a saved rank's coordinates continue its RNG streams; the others derive theirs
+        saved = {(0, 0, 0): straight[0]["draws"], (0, 0, 1): straight[1]["draws"]}
+        for r in resumed:
+            assert r["draws"] == saved.get(tuple(r["coordinates"]), r["draws"]), (tp, nproc, r["coordinates"])
+        derived = [tuple(r["draws"]) for r in resumed if tuple(r["coordinates"]) not in saved]
+        assert len(derived) == {(1, 1): 0, (1, 4): 2, (2, 2): 1}[tp, nproc]
+        assert len(set(derived)) == len(derived) and not set(derived) & {tuple(d) for d in saved.values()}
         for r in resumed:
             assert r["state"] == {"step": 2} and r["dp_size"] == nproc // tp
             assert r["third"]["lr"] == ref["third"]["lr"]
             for key in ("loss/total", "grad_norm", "entropy"):
-                assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, key)
+                assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, nproc, key)
             for k, w in r["weights"].items():
                 torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
-                                           msg=lambda m, tp=tp, k=k: f"TP={tp} {k}: {m}")
+                                           msg=lambda m, tp=tp, nproc=nproc, k=k: f"TP={tp} x {nproc} {k}: {m}")

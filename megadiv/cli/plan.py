@@ -16,7 +16,8 @@ from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError
 from megadiv.models.families import arch_from_hf_config
 from megadiv.models.hf_config import load_hf_config
-from megadiv.models.plan import GiB, Layout, Plan, Workload, candidate_layouts, plan_layout
+from megadiv.models.plan import BATCH_BYTES_PER_TOKEN, GiB, Layout, Plan, Workload, candidate_layouts, plan_layout
+from megadiv.rollout.fleet import QUEUE_DEPTH
 from megadiv.trainer.config import TrainConfig
 
 
@@ -30,14 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt in tokens; rows are prompt + rollout.max_new_tokens (default 512)")
     parser.add_argument("--reserve-gib", type=float, default=3.0,
                         help="held back on every GPU for the CUDA context, NCCL and fragmentation (default 3)")
+    parser.add_argument("--host-memory-gib", type=float, default=2048.0,
+                        help="host memory of one node, GiB, shared by its ranks (default 2048: a DGX H100)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
     world = args.nodes * args.gpus_per_node
     try:
-        if min(args.nodes, args.gpus_per_node, args.prompt_tokens) < 1 or args.gpu_memory_gib <= 0:
-            raise ConfigError("--nodes, --gpus-per-node, --prompt-tokens must be >= 1 and --gpu-memory-gib > 0")
+        if (min(args.nodes, args.gpus_per_node, args.prompt_tokens) < 1 or args.gpu_memory_gib <= 0
+                or args.host_memory_gib <= 0):
+            raise ConfigError("--nodes, --gpus-per-node, --prompt-tokens must be >= 1 and --gpu-memory-gib, "
+                              "--host-memory-gib > 0")
         with hf_config_stand_in(args) as (note, _):
             cfg = load_train_config(args, world)
             arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
@@ -50,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     stage_layers = getattr(cfg.parallel, "stage_layers", None)
 
     def plan_for(layout: Layout, layers=None) -> Plan | None:
-        work = workload(cfg, layout, args.prompt_tokens, int(args.reserve_gib * GiB))
+        work = workload(cfg, layout, args.prompt_tokens, int(args.reserve_gib * GiB),
+                        int(args.host_memory_gib * GiB) // args.gpus_per_node)
         if work is None:
             return None
         try:
@@ -79,9 +85,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes: int) -> Workload | None:
+def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes: int,
+             host_bytes_per_rank: int) -> Workload | None:
     """The run's per-GPU work at ``layout``; None when its batch does not split over layout.dp."""
     rows = cfg.grpo.prompts_per_step * cfg.rollout.n_samples
+    batch_host_bytes = (rows * (prompt_tokens + cfg.rollout.max_new_tokens) * BATCH_BYTES_PER_TOKEN
+                        * (2 if cfg.grpo.overlap else 1))
     per_mini = rows // cfg.grpo.mini_batches
     if per_mini % (layout.dp * cfg.grpo.micro_batch_size):
         return None
@@ -97,14 +106,20 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         tokens = max(seq_len, min(budget, rows * seq_len))
         rows, seq_len, positions = 1, tokens, min(tokens, cfg.grpo.micro_batch_size * positions)
         in_flight = per_mini // layout.dp
+    servers = max(len(cfg.rollout.server_urls), cfg.rollout.num_servers) if cfg.rollout.engine != "embedded" else 0
+    broadcasts = servers > 0 and _broadcasts(cfg.rollout.sync_method, colocated)
     return Workload(
         micro_batch_size=rows, seq_len=seq_len, logit_positions=positions, micro_batches_in_flight=in_flight,
         params_dtype=cfg.model.params_dtype, optimizer=cfg.optim.optimizer, reference=cfg.needs_reference,
         log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,
         spec="local" if cfg.model.transformer_impl == "local" else "te",
         server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,
-        bucket_bytes=cfg.rollout.bucket_bytes,
-        rank0_bucket_copies=int(cfg.rollout.engine != "embedded" and _broadcasts(cfg.rollout.sync_method, colocated)))
+        bucket_bytes=cfg.rollout.bucket_bytes, rank0_bucket_copies=int(broadcasts),
+        # one broadcast group spans the fleet; without one (tensor, disk) each member's sync thread
+        # is fed through its own queue (QUEUE_DEPTH) and holds the bucket it sends
+        rank0_queued_buckets=QUEUE_DEPTH + 1 if servers > 1 and not broadcasts else 0,
+        rank0_communicators=int(broadcasts),
+        batch_host_bytes=batch_host_bytes, host_bytes_per_rank=host_bytes_per_rank)
 
 
 def _broadcasts(sync_method: str, colocated: bool) -> bool:
@@ -121,11 +136,14 @@ def table(plan: Plan, args: argparse.Namespace, cfg: TrainConfig) -> str:
     rows.append(["total"] + [f"{s.total / GiB:.2f}" for s in plan.stages])
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    verdict = "fits" if plan.fits else "does NOT fit"
+    verdict = "fits" if plan.worst.total <= plan.gpu_bytes else "does NOT fit"
     return "\n".join([
         f"{plan.parameters / 1e9:.2f}B parameters; {plan.layout} on {args.nodes} x {args.gpus_per_node} GPUs; "
         f"micro-batch {cfg.grpo.micro_batch_size} x {args.prompt_tokens + cfg.rollout.max_new_tokens} tokens; "
         f"GiB per GPU:", line(head), line(["-" * w for w in widths]), *map(line, rows),
         f"worst GPU: {plan.worst.total / GiB:.1f} of {args.gpu_memory_gib:g} GiB: {verdict}; activations with "
         f"full recompute: {plan.activations_with_recompute / GiB:.2f} GiB; weights per replica "
-        f"{plan.weight_bytes_per_replica / GiB:.1f} GiB", *plan.notes])
+        f"{plan.weight_bytes_per_replica / GiB:.1f} GiB",
+        "host memory of rank 0: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.host.items())
+        + f" GiB; {plan.host_total / GiB:.1f} of {plan.host_bytes_per_rank / GiB:g} GiB per rank "
+        f"({args.host_memory_gib:g} GiB per node): {'fits' if plan.host_fits else 'does NOT fit'}", *plan.notes])

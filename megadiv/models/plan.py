@@ -76,6 +76,17 @@ class Workload:
     rank0_bucket_copies: int = 0
     """... and global rank 0 this many more (the flattened copy broadcast to the fleet: 1, or 0
     without a broadcast group)."""
+    rank0_queued_buckets: int = 0
+    """Gathered buckets global rank 0 holds beyond the one being gathered while the slowest server
+    reads, without a broadcast group: a queue per member (rollout/fleet.py QUEUE_DEPTH) plus the
+    one each member sends."""
+    rank0_communicators: int = 0
+    """NCCL communicators global rank 0 opens for weight syncs (the fleet's one broadcast group)."""
+    batch_host_bytes: int = 0
+    """Host bytes of the batches global rank 0 (the rollout driver) holds: the batch trained on,
+    and with grpo.overlap the one generated ahead."""
+    host_bytes_per_rank: int = 0
+    """Host memory of a node divided by its ranks (0: not checked)."""
     reserve_bytes: int = 3 * GiB
     """CUDA context, NCCL buffers, allocator fragmentation: held back from every GPU."""
 
@@ -276,6 +287,32 @@ def logits_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, positions: int,
     return logits, 3 * min(chunk, tokens) * vocab * 4
 
 
+# --------------------------------------------------------------------------- host memory
+
+NCCL_COMMUNICATOR_BYTES = 32 * 2 * (4 << 20)
+"""GPU memory one NCCL communicator takes, estimated (not measured here): NCCL's default 4 MiB
+buffer (NCCL_BUFFSIZE) per channel and direction, at the up-to-32 channels NVLink/InfiniBand
+nodes get; 256 MiB."""
+BATCH_BYTES_PER_TOKEN = 8 + 4 + 4 + 4 + 1
+"""Host bytes the rollout driver keeps per token of a batch: the token id (int64), the rollout,
+old-policy and reference log-probs (fp32) and the loss mask (bool)."""
+MODEL_SPACE_OPTIMIZER_BYTES = 3 * 4
+"""Bytes per parameter of the distributed optimizer's state in model space (fp32 main weight,
+exp_avg, exp_avg_sq): what the 'fully_reshardable' checkpoint format gathers on every DP rank's host."""
+
+
+def host_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int) -> dict[str, int]:
+    """Host memory of one rank for a checkpoint save (megadiv.trainer.checkpoint): with the
+    distributed optimizer its state gathered in model space (every DP rank, megatron's
+    'fully_reshardable' without the memory-efficient exchange), and the rank's share of the
+    weights (and a plain optimizer's state) staged for the background writer (the fully parallel
+    save deals what the DP replicas hold in common over them: 1/DP each)."""
+    numel = sum(p.numel for p in params)
+    gathered = numel * MODEL_SPACE_OPTIMIZER_BYTES if optimizer == "adam" else 0
+    staged = numel * DTYPE_BYTES[params_dtype] + (numel * 4 if optimizer == "sgd" else 0)
+    return {"optimizer_state_gathered": gathered, "checkpoint_staging": -(-staged // dp)}
+
+
 # --------------------------------------------------------------------------- the plan
 
 
@@ -301,6 +338,10 @@ class Plan:
     gpu_bytes: int
     activations_with_recompute: int
     """Worst stage's activations with full recompute (each layer keeps only its input)."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Host bytes by component on global rank 0 (first stage: the rollout driver's batch too)."""
+    host_bytes_per_rank: int = 0
+    """What a rank may use of its node's host memory (0: not checked)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -308,8 +349,17 @@ class Plan:
         return max(self.stages, key=lambda s: s.total)
 
     @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_bytes_per_rank or self.host_total <= self.host_bytes_per_rank
+
+    @property
     def fits(self) -> bool:
-        return self.worst.total <= self.gpu_bytes
+        """The worst GPU and global rank 0's host share both hold what is planned."""
+        return self.worst.total <= self.gpu_bytes and self.host_fits
 
     def as_dict(self) -> dict:
         w = self.worst
@@ -318,6 +368,8 @@ class Plan:
                 "gpu_bytes": self.gpu_bytes, "fits": self.fits, "worst_stage": w.stage,
                 "per_gpu_bytes": w.total, "components": dict(w.components),
                 "activations_with_recompute": self.activations_with_recompute,
+                "host_components": dict(self.host), "host_bytes": self.host_total,
+                "host_bytes_per_rank": self.host_bytes_per_rank, "host_fits": self.host_fits,
                 "stages": [{"stage": s.stage, "layers": s.layers, "total": s.total, "components": dict(s.components)}
                            for s in self.stages],
                 "notes": list(self.notes)}
@@ -350,16 +402,21 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
             "reference_weights": sum(p.numel for p in params) * DTYPE_BYTES[dt] if work.reference else 0,
             # a launched server sits on global rank 0's node: GPUs of the first stage (ranks are tp-dp-pp)
             "colocated_server": int(work.server_fraction * gpu_bytes) if first else 0,
-            "weight_sync_buckets": work.bucket_bytes * (1 + work.rank0_bucket_copies * first),
+            "weight_sync_buckets": work.bucket_bytes * (1 + (work.rank0_bucket_copies + work.rank0_queued_buckets)
+                                                        * first),
+            "sync_communicators": work.rank0_communicators * NCCL_COMMUNICATOR_BYTES * first,
             "reserve": work.reserve_bytes,
         }
         stages.append(StagePlan(stage, layers, components))
         token_inputs = held * layers * b * s * arch.hidden_size * DTYPE_BYTES[dt]
         recompute = max(recompute, token_inputs + per_layer + held * boundary)
+    first_params = stage_params(arch, layout.tp, layout.pp, 0, stage_layers)
+    host = host_bytes(first_params, dt, work.optimizer, layout.dp) | {"batch": work.batch_host_bytes}
     notes = []
     if in_flight > 1:
         notes.append(f"1F1B keeps up to {in_flight} micro-batches of activations on the first stage")
-    return Plan(layout, parameter_count(arch), replica_weights, stages, gpu_bytes, recompute, notes)
+    return Plan(layout, parameter_count(arch), replica_weights, stages, gpu_bytes, recompute, host,
+                work.host_bytes_per_rank, notes)
 
 
 def candidate_layouts(arch: ArchSpec, world: int, gpus_per_node: int) -> list[Layout]:

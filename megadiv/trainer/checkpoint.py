@@ -1,10 +1,12 @@
 """Training checkpoints: model, optimizer, LR schedule, trainer state and RNG, resumable exactly.
 
-    run_dir/checkpoints/step_000040/   megatron dist_checkpointing (model + optimizer, sharded) +
+    run_dir/checkpoints/step_000040/   megatron dist_checkpointing (model + optimizer, sharded: every
+                                       rank writes its share, __<rank>_<i>.distcp) +
                                        common.pt (schedule, trainer state) + rng_<rank>.pt +
                                        megadiv_model.json (the model, for ``megadiv convert``) +
-                                       manifest.json (step, TP/PP layout, backend, every file with its
-                                       size and xxh3-64 checksum)
+                                       manifest.json (step, TP/PP layout, backend, each rank's
+                                       (tp, pp, dp) coordinates, every file with its size and
+                                       xxh3-64 checksum)
                                        With model.backend=deepspeed: deepspeed/ (DeepSpeed's save_checkpoint:
                                        module, optimizer and ZeRO partitions, schedule and trainer state as
                                        its client state) + rng_<rank>.pt + manifest.json; resumed at the
@@ -12,23 +14,37 @@
     run_dir/checkpoints/latest         the newest complete checkpoint's directory name (for people)
     run_dir/mirror_map.json            the run's neural mirror map (380 floats), when a loss term uses one
 
-A save writes ``step_N.partial``; once every rank has finished, rank 0 checks that each rank's
-files are there and readable, writes the manifest last and renames the directory. A crash or a
-signal mid-save leaves only a ``.partial`` directory, which is never resumed from. Only
-``keep_last`` complete checkpoints are kept. Collective: call on every rank.
+A save (``CheckpointSaver.save``) writes ``step_N.partial`` in parallel and in the background:
+megatron's fully parallel save strategy spreads the shards that data-parallel replicas hold in
+common over the replicas, so every rank writes its own files; the training ranks block only while
+the state is planned and staged on the host (megatron's async save: the writer is a process forked
+from the rank, which writes the staged tensors and then the checksums of the files it wrote,
+``written_<rank>.json``). Once every rank's writer has finished (``poll``, one all-reduce per step),
+rank 0 merges those records, hashes the few small files it wrote itself, writes the manifest last
+and renames the directory. A crash or a signal mid-save leaves only a ``.partial`` directory,
+which is never resumed from. Only ``keep_last`` complete checkpoints are kept. Collective: call on
+every rank. The DeepSpeed backend saves synchronously (DeepSpeed's own writer); its files are
+hashed in shares by every rank.
 
-Resume (``resume_point``) scans ``step_*`` newest first and takes the first one that is complete
-and intact (manifest present, every listed file present with its size and its checksum), naming
-each one it skips and why, before megatron reads a byte of it. It
-never falls back to step 0 while a checkpoint exists: none complete is an error. A checkpoint
-written at another pipeline layout is refused (the TP and data-parallel sizes may change).
+Resume (``find_resume_point``) scans ``step_*`` newest first and takes the first one that is
+complete and intact (manifest present, every listed file present with its size, checked by rank
+0, and its checksum, each file read by one rank), naming each one it skips and why, before
+megatron reads a byte of it; megatron's fully parallel load then reads each shard once in every
+data-parallel group and sends it to the replicas that need it. It never falls back to step 0 while a
+checkpoint exists: none complete is an error. A checkpoint written at another pipeline layout is
+refused (the TP and data-parallel sizes may change). A rank whose (tp, pp, dp) coordinates the saved
+layout had continues that rank's RNG streams; any other rank (more ranks than the checkpoint has
+RNG files for, or another TP size) derives its streams from the step and its coordinates.
 """
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import random
 import shutil
+import time
+from dataclasses import dataclass
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -130,10 +146,16 @@ def checkpoint_problem(path: Path, checksums: bool = True) -> str | None:
     """Why ``path`` is not a complete, intact checkpoint, or None. Sizes first (cheap, and the
     clearer message for a truncated file), then, with ``checksums``, every file's checksum (one
     read of the whole checkpoint; manifests written before checksums existed are checked by size)."""
+    problem = size_problem(path)
+    return problem if problem or not checksums else checksum_problem(path, share=(0, 1))
+
+
+def size_problem(path: Path) -> str | None:
+    """Why ``path`` is not complete (no or unreadable manifest, a listed file missing or of
+    another size), or None: stat calls only."""
     manifest = path / MANIFEST
     try:
-        record = json.loads(manifest.read_text())
-        listed, expected_sums = record["files"], record.get(CHECKSUM, {}) if checksums else {}
+        listed = json.loads(manifest.read_text())["files"]
     except FileNotFoundError:
         return f"no {MANIFEST} (the save did not finish, or an older megadiv wrote it)"
     except (OSError, ValueError, KeyError) as e:
@@ -144,31 +166,50 @@ def checkpoint_problem(path: Path, checksums: bool = True) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
-    for name, expected in expected_sums.items():
+    return None
+
+
+def checksum_problem(path: Path, share: tuple[int, int]) -> str | None:
+    """The first file of this rank's ``share`` (rank, ranks) of a complete checkpoint's files whose
+    checksum differs from the manifest's, as a reason, or None."""
+    record = json.loads((path / MANIFEST).read_text())
+    expected_sums = record.get(CHECKSUM, {})
+    for name in share_of(record["files"], *share):
+        if name not in expected_sums:
+            continue
         try:
             actual = file_checksum(path / name)
         except OSError as e:
             return f"{name} cannot be read ({e.strerror or e})"
-        if actual != expected:
-            return (f"{name} has {CHECKSUM} {actual}, the manifest says {expected} (corrupted on disk after the "
-                    f"save: same size, other bytes)")
+        if actual != expected_sums[name]:
+            return (f"{name} has {CHECKSUM} {actual}, the manifest says {expected_sums[name]} (corrupted on disk "
+                    f"after the save: same size, other bytes)")
     return None
 
 
-def resume_point(run_dir: Path, parallel: ParallelConfig, checksums: bool = True) -> tuple[Path | None, list[str]]:
+def share_of(sizes: dict[str, int], rank: int, ranks: int) -> list[str]:
+    """The files rank ``rank`` of ``ranks`` reads: largest first, dealt round the ranks (each file to
+    one rank; the bytes per rank differ by at most one file's)."""
+    return sorted(sizes, key=lambda name: (-sizes[name], name))[rank::ranks]
+
+
+def resume_point(run_dir: Path, parallel: ParallelConfig, checksums: bool = True,
+                 problem=None) -> tuple[Path | None, list[str]]:
     """(the newest complete checkpoint or None when there is none at all, one line per skipped one).
+    ``problem(path)``: why a checkpoint is not intact (default: ``checkpoint_problem``).
 
     Raises CheckpointError when checkpoints exist but none is complete, and ConfigError when the
     chosen one was written at another pipeline layout."""
+    problem = problem or (lambda path: checkpoint_problem(path, checksums))
     candidates = sorted((p for p in checkpoint_root(run_dir).glob("step_*") if p.is_dir()
                          and not p.name.endswith(".partial")), key=lambda p: p.name, reverse=True)
     skipped = []
     for path in candidates:
-        problem = checkpoint_problem(path, checksums)
-        if problem is None:
+        why = problem(path)
+        if why is None:
             _check_layout(path, parallel)
             return path, skipped
-        skipped.append(f"skipping checkpoint {path}: {problem}")
+        skipped.append(f"skipping checkpoint {path}: {why}")
     if skipped:
         raise CheckpointError(f"no complete checkpoint in {checkpoint_root(run_dir)} (" + "; ".join(skipped)
                               + "); move them away to start afresh, or set checkpoint.resume=never")
@@ -176,21 +217,24 @@ def resume_point(run_dir: Path, parallel: ParallelConfig, checksums: bool = True
 
 
 def find_resume_point(run_dir: Path, parallel: ParallelConfig) -> Path | None:
-    """Collective ``resume_point``: rank 0 scans and says what it skipped; every rank gets its
-    answer, or raises its error."""
-    box = [None]
+    """Collective ``resume_point``: rank 0 checks the sizes, every rank the checksums of its share
+    of the files (each file read once, by one rank); rank 0 says what was skipped, and every rank
+    gets the same answer or raises the same error."""
+    path, skipped = resume_point(run_dir, parallel, problem=_problem_on_all_ranks)
     if dist.get_rank() == 0:
-        try:
-            path, skipped = resume_point(run_dir, parallel)
-            for line in skipped:
-                print(line, flush=True)
-            box = [path]
-        except (CheckpointError, ConfigError) as e:
-            box = [e]
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+        for line in skipped:
+            print(line, flush=True)
+    return path
+
+
+def _problem_on_all_ranks(path: Path) -> str | None:
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    why = _from_rank0(size_problem(path) if rank == 0 else None)
+    if why is None:
+        found = [None] * ranks
+        dist.all_gather_object(found, checksum_problem(path, share=(rank, ranks)))
+        why = next((w for w in found if w is not None), None)
+    return why
 
 
 ATTEMPT = "attempt.json"  # in run_dir/logs: where the current attempt of the job started
@@ -230,74 +274,233 @@ def _check_layout(path: Path, parallel: ParallelConfig) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict, keep_last: int,
                     parallel: ParallelConfig) -> Path:
-    """Write step ``step``; ``trainer_state`` (picklable, global rank 0's copy is kept) holds what the
-    loop needs to continue: data position, counters, evaluation figures."""
-    from megatron.core import dist_checkpointing
+    """Write step ``step`` and wait until it is sealed (``CheckpointSaver`` without the overlap)."""
+    saver = CheckpointSaver(run_dir, keep_last, parallel)
+    saver.save(step, actor, trainer_state)
+    saver.wait()
+    return saver.final(step)
 
-    root = checkpoint_root(run_dir)
-    final = root / f"step_{step:06d}"
-    partial = final.with_name(final.name + ".partial")
-    rank = dist.get_rank()
-    # a full disk or an I/O error: one line naming the checkpoint and the free space (DiskError).
-    # torch's writers report it as CheckpointException (a BaseException, which would pass the rank's
-    # one-line report by) wrapping the OSError, torch.save as a RuntimeError. The earlier checkpoints
-    # are never touched before this one is sealed.
-    with writing(partial, "checkpoint", errors=(OSError, CheckpointException), wrapping=(RuntimeError,)):
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        # the bytes in partial/, against the newest complete checkpoint's (same model and layout, so the
-        # same size; the first save shows bytes and rate only)
-        with Progress(f"saving checkpoint step {step}", total=_checkpoint_bytes(root), unit="B") as bar, \
-                bar.following(lambda: directory_bytes(partial)):
-            if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed
+
+@dataclass
+class _SaveInFlight:
+    step: int
+    partial: Path
+    backend: str
+    started: float       # time.perf_counter() at the start of save()
+    blocking_s: float = 0.0
+
+
+class CheckpointSaver:
+    """Writes checkpoints while training goes on (one save in flight at a time; module docstring).
+
+    ``save`` blocks for the plan and the copy to host only; ``poll`` (every rank, once per step)
+    seals the save in flight when every rank's writer has finished; ``wait`` blocks until it is
+    sealed. Both return ``(step, figures)`` of a save they sealed: checkpoint/blocking_s (training
+    stopped for it), checkpoint/write_s (the slowest rank's writer: shards and their checksums) and
+    checkpoint/total_s (from the save's start until sealed; at most a step later than written),
+    for every save sealed since the last call (``save`` seals the one before it)."""
+
+    def __init__(self, run_dir: Path, keep_last: int, parallel: ParallelConfig):
+        self.root, self.keep_last, self.layout = checkpoint_root(run_dir), keep_last, layout_of(parallel)
+        self._in_flight: _SaveInFlight | None = None
+        self._sealed: list[tuple[int, dict]] = []
+        self._calls = None         # megatron's AsyncCallsQueue, made at the first save
+        self._strategy = None      # megatron's fully parallel save strategy (its distribution cached)
+        self._coordinates = None   # every rank's (tp, pp, dp), gathered at the first save
+
+    def final(self, step: int) -> Path:
+        return self.root / f"step_{step:06d}"
+
+    def save(self, step: int, actor: Policy, trainer_state: dict) -> None:
+        """Start writing step ``step``; ``trainer_state`` (picklable, global rank 0's copy is kept)
+        holds what the loop needs to continue: data position, counters, evaluation figures."""
+        from megatron.core import dist_checkpointing
+
+        self._sealed = self.wait()  # the save before, sealed: its figures go out at the next poll
+        started = time.perf_counter()
+        partial = self.final(step).with_name(self.final(step).name + ".partial")
+        rank = dist.get_rank()
+        if self._coordinates is None:
+            self._coordinates = [None] * dist.get_world_size()
+            dist.all_gather_object(self._coordinates, _coordinates())
+        # a full disk or an I/O error: one line naming the checkpoint and the free space (DiskError).
+        # torch's writers report it as CheckpointException (a BaseException, which would pass the rank's
+        # one-line report by) wrapping the OSError, torch.save as a RuntimeError. The earlier checkpoints
+        # are never touched before this one is sealed.
+        with self._writing(partial):
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            dist.barrier()
+            rng_state = _rng_state()  # written after megatron's save, which wants partial/ empty
+            self._in_flight = _SaveInFlight(step, partial, actor.backend, started)
+            if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed, synchronous
                 actor.save_state(partial, _from_rank0(trainer_state))
-            else:
-                _results_queue_that_dies_with_us()
-                state = _state_template(actor, is_loading=False)
-                state["scheduler"] = actor.scheduler.state_dict()
-                state["trainer"] = _from_rank0(trainer_state)
-                state["adam_step"] = _adam_step(actor.optimizer)
-                state["distributed_optimizer"] = actor.use_distributed_optimizer
-                dist_checkpointing.save(state, str(partial))
-        torch.save(_rng_state(), partial / f"rng_{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            if actor.backend == "megatron":
+                dist.barrier()
+                missing = [f for f in actor.checkpoint_files(dist.get_world_size()) if not (partial / f).is_file()]
+                if missing:
+                    raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing}")
+                files = {str(f.relative_to(partial)): f.stat().st_size for f in (partial / "deepspeed").rglob("*")
+                         if f.is_file()}
+                mine = _save_rng(rng_state, partial, rank) | {name: [files[name], file_checksum(partial / name)]
+                         for name in share_of(files, rank, dist.get_world_size())}
+                _record_written(partial, rank, mine, time.perf_counter() - started)
+                self._in_flight.blocking_s = time.perf_counter() - started
+                self._seal()
+                return
+            _results_queue_that_dies_with_us()
+            state = _state_template(actor, is_loading=False)
+            state["scheduler"] = actor.scheduler.state_dict()
+            state["trainer"] = _from_rank0(trainer_state)
+            state["adam_step"] = _adam_step(actor.optimizer)
+            state["distributed_optimizer"] = actor.use_distributed_optimizer
+            request = dist_checkpointing.save(state, str(partial), sharded_strategy=self._save_strategy(),
+                                              async_sharded_save=True)
+            if rank == 0:
                 write_metadata(actor.model, partial)
-            written = ["metadata.json"] if actor.backend == "megatron" else actor.checkpoint_files(dist.get_world_size())
-            _verify_and_seal(partial, step, layout_of(parallel), dist.get_world_size(), actor.backend, written)
+            mine = _save_rng(rng_state, partial, rank)
+            # the forked writer writes this rank's shards, then their checksums (_write_and_record)
+            request = request._replace(async_fn=functools.partial(_write_and_record, request.async_fn, partial,
+                                                                  rank, mine))
+            request.add_finalize_fn(self._seal)
+            self._async_calls().schedule_async_request(request)  # stages on the host, forks the writer
+        self._in_flight.blocking_s = time.perf_counter() - started
+
+    def poll(self) -> list[tuple[int, dict]]:
+        """Seal the save in flight if every rank's writer is done (collective: one all-reduce)."""
+        if self._in_flight is not None and self._in_flight.backend == "megatron":
+            with self._writing(self._in_flight.partial):
+                self._calls.maybe_finalize_async_calls(blocking=False)
+        return self._take_sealed()
+
+    def wait(self) -> list[tuple[int, dict]]:
+        """Block until the save in flight is sealed (collective); shows its progress on rank 0."""
+        if self._in_flight is not None and self._in_flight.backend == "megatron":
+            partial = self._in_flight.partial
+            final = self.final(self._in_flight.step)
+            with self._writing(partial), \
+                    Progress(f"saving checkpoint step {self._in_flight.step}", total=_checkpoint_bytes(self.root),
+                             unit="B") as bar, \
+                    bar.following(lambda: directory_bytes(partial if partial.exists() else final)):
+                self._calls.maybe_finalize_async_calls(blocking=True)
+        return self._take_sealed()
+
+    def _take_sealed(self) -> list[tuple[int, dict]]:
+        sealed, self._sealed = self._sealed, []
+        return sealed
+
+    def _writing(self, partial: Path):
+        return writing(partial, "checkpoint", errors=(OSError, CheckpointException), wrapping=(RuntimeError,))
+
+    def _save_strategy(self):
+        """torch_dist, with the shards data-parallel replicas hold in common (the replicated weights,
+        the model-space optimizer state) dealt over the replicas: every rank writes a share."""
+        if self._strategy is None:
+            from megatron.core import parallel_state
+            from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+            self._strategy = FullyParallelSaveStrategyWrapper(
+                get_default_save_sharded_strategy(),
+                parallel_state.get_data_parallel_group(with_context_parallel=True), do_cache_distribution=True)
+        return self._strategy
+
+    def _async_calls(self):
+        if self._calls is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._calls = AsyncCallsQueue(persistent=False)  # a writer forked per save: a snapshot of the state
+        return self._calls
+
+    def _seal(self) -> None:
+        """Every rank's writer is done (collective): rank 0 writes the manifest and renames."""
+        save = self._in_flight
+        final = self.final(save.step)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            write_s = _verify_and_seal(save.partial, save.step, self.layout, self._coordinates, save.backend)
             shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-            (root / "latest.tmp").write_text(final.name + "\n")
-            (root / "latest.tmp").rename(root / "latest")
-            complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
-            for old in complete[:-keep_last]:
+            save.partial.rename(final)
+            (self.root / "latest.tmp").write_text(final.name + "\n")
+            (self.root / "latest.tmp").rename(self.root / "latest")
+            complete = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+            for old in complete[:-self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+        else:
+            write_s = None
+        dist.barrier()
+        self._in_flight = None
+        self._sealed.append((save.step, {"checkpoint/blocking_s": save.blocking_s, "checkpoint/write_s": write_s,
+                                         "checkpoint/total_s": time.perf_counter() - save.started}))
 
 
-def _verify_and_seal(partial: Path, step: int, layout: dict, world_size: int, backend: str,
-                     written: list[str]) -> None:
-    """Check what every rank wrote (the backend's ``written`` files, megatron's common state
-    loads, one RNG file per rank), then write the manifest: the last file of a complete
-    checkpoint."""
+def _save_rng(state: dict, partial: Path, rank: int) -> dict:
+    """Write this rank's RNG file; its record entry (size, checksum)."""
+    rng = partial / f"rng_{rank}.pt"
+    torch.save(state, rng)
+    return {rng.name: [rng.stat().st_size, file_checksum(rng)]}
+
+
+WRITTEN = "written_{rank}.json"  # a rank's record of the files it wrote (merged into the manifest)
+
+
+def _write_and_record(write, partial: Path, rank: int, mine: dict, *args, **kwargs) -> None:
+    """In the rank's forked writer: megatron's write of this rank's shards (``write``; None when
+    the rank has none to write), then the size and checksum of each of them (read back from the
+    page cache, on every rank at once), recorded with ``mine`` (the rank's RNG file)."""
+    started = time.perf_counter()
+    if write is not None:
+        write(*args, **kwargs)
+    try:
+        shards = {f.name: [f.stat().st_size, file_checksum(f)] for f in sorted(partial.glob(f"__{rank}_*.distcp"))}
+        _record_written(partial, rank, mine | shards, time.perf_counter() - started)
+    except OSError:  # a full disk: the write's own error (megatron's results queue) names it at the seal,
+        return       # else the missing record does; a traceback from this process would only echo it
+
+
+def _record_written(partial: Path, rank: int, files: dict, seconds: float) -> None:
+    path = partial / WRITTEN.format(rank=rank)
+    path.with_suffix(".tmp").write_text(json.dumps({"files": files, "seconds": seconds}))
+    path.with_suffix(".tmp").rename(path)
+
+
+def _verify_and_seal(partial: Path, step: int, layout: dict, coordinates: list, backend: str) -> float:
+    """Check what every rank wrote (each rank's record of its files, megatron's common state
+    loads), hash what rank 0 wrote outside the records (common.pt, megatron's metadata, the model
+    description), then write the manifest: the last file of a complete checkpoint. Returns the
+    slowest rank's seconds of writing."""
     from megatron.core import dist_checkpointing
 
-    missing = [f for f in written + [f"rng_{r}.pt" for r in range(world_size)] if not (partial / f).is_file()]
+    world_size = len(coordinates)
+    records = [partial / WRITTEN.format(rank=r) for r in range(world_size)]
+    missing = [f.name for f in records if not f.is_file()]
     if missing:
-        raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing}")
+        raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing} (the ranks' "
+                              f"records of what they wrote; their writers failed)")
+    written, seconds = {}, []
+    for f in records:
+        record = json.loads(f.read_text())
+        written |= record["files"]
+        seconds.append(record["seconds"])
+        f.unlink()
     if backend == "megatron":
         dist_checkpointing.load_common_state_dict(str(partial))
+    for name in written:
+        if not (partial / name).is_file():
+            raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {name}")
+    missing = [f"rng_{r}.pt" for r in range(world_size) if f"rng_{r}.pt" not in written]
+    if missing or (backend == "megatron" and not (partial / "metadata.json").is_file()):
+        raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing "
+                              f"{missing or ['metadata.json']}")
     paths = [f for f in sorted(partial.rglob("*")) if f.is_file()]
-    files = {str(f.relative_to(partial)): f.stat().st_size for f in paths}
-    checksums = {str(f.relative_to(partial)): file_checksum(f) for f in paths}
-    manifest = {"step": step, "layout": layout, "world_size": world_size, "backend": backend, "files": files,
-                CHECKSUM: checksums}
+    names = [str(f.relative_to(partial)) for f in paths]
+    files = {n: written[n][0] if n in written else f.stat().st_size for n, f in zip(names, paths)}
+    checksums = {n: written[n][1] if n in written else file_checksum(f) for n, f in zip(names, paths)}
+    manifest = {"step": step, "layout": layout, "world_size": world_size, "backend": backend,
+                "ranks": coordinates, "files": files, CHECKSUM: checksums}
     (partial / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (partial / (MANIFEST + ".tmp")).rename(partial / MANIFEST)
+    return max(seconds)
 
 
 # megatron-core's checkpoint writer reports through a queue served by a multiprocessing manager it
@@ -362,11 +565,14 @@ def load_checkpoint(path: Path, actor: Policy) -> dict:
 
 
 def _load(path: Path, actor: Policy) -> dict:
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
+    manifest = json.loads((path / MANIFEST).read_text())
     if actor.backend == "deepspeed":
         trainer_state = actor.load_state(path)
-        _load_rng(path)
+        _load_rng(path, manifest)
         return trainer_state
     common = dist_checkpointing.load_common_state_dict(str(path))
     # written before the key existed: the distributed optimizer's exactly when it holds Adam's state
@@ -376,21 +582,46 @@ def _load(path: Path, actor: Policy) -> dict:
                           f"uses the {'distributed' if actor.use_distributed_optimizer else 'plain'} one: resume it "
                           f"with optim.distributed_optimizer={str(saved_sharded).lower()}")
     _materialize_adam_state(actor.optimizer, common["adam_step"])
-    state = dist_checkpointing.load(_state_template(actor, is_loading=True), str(path))
+    # the replicas of a data-parallel group need the same shards: each is read by one of them and
+    # broadcast to the others (megatron's fully parallel load), not read once per replica
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)),
+                                                parallel_state.get_data_parallel_group(with_context_parallel=True))
+    state = dist_checkpointing.load(_state_template(actor, is_loading=True), str(path), sharded_strategy=strategy)
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
         gpt.load_state_dict(state[key])
     with torch.no_grad():
         _load_optimizer(actor.optimizer, state["optimizer"])
     actor.scheduler.load_state_dict(state["scheduler"])
-    _load_rng(path)
+    _load_rng(path, manifest)
     return state["trainer"]
 
 
-def _load_rng(path: Path) -> None:
-    rng = path / f"rng_{dist.get_rank()}.pt"
+def _load_rng(path: Path, manifest: dict) -> None:
+    """This rank's RNG streams: those of the saved rank at the same (tp, pp, dp) coordinates, or,
+    where the saved layout had none (a run resumed on more ranks, or at another TP size), streams
+    derived from the step and the coordinates, the same on every resume at this layout."""
+    mine = _coordinates()
+    if "ranks" in manifest:
+        source = manifest["ranks"].index(mine) if mine in manifest["ranks"] else None
+    else:  # written before the coordinates were recorded: rank by rank at the same world size
+        source = dist.get_rank() if manifest["world_size"] == dist.get_world_size() else None
+    if source is None:
+        seed = xxhash.xxh3_64_intdigest(json.dumps([manifest["step"], *mine]).encode())
+        random.seed(seed)
+        torch.manual_seed(seed)  # every device's generator too
+        return
+    rng = path / f"rng_{source}.pt"
     if not rng.is_file():
-        raise FileNotFoundError(f"{rng} is missing: {path} was written by a job with another world size")
+        raise CheckpointError(f"{rng} is missing from {path}")
     _set_rng_state(torch.load(rng, weights_only=False))
+
+
+def _coordinates() -> list[int]:
+    """This rank's [tp, pp, dp] (a list: what JSON gives back)."""
+    from megatron.core import parallel_state
+
+    return [parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(with_context_parallel=True)]
 
 
 def _load_optimizer(optimizer, state: dict) -> None:

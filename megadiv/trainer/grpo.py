@@ -83,6 +83,7 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             state["eval_before"] = rollout.evaluate()
             logger.log(0, state["eval_before"], prefix="eval")
 
+        saver = checkpoint.CheckpointSaver(run_dir, cfg.checkpoint.keep_last, cfg.parallel)
         last = cfg.grpo.stop_after or cfg.grpo.steps
         for step in range(state["step"] + 1, last + 1):
             run.step, timer = step, StepTimer()
@@ -97,11 +98,14 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
                 sync = _sync_weights(cfg, actor, rollout, probe, step)          # (batch ahead done) push, probe
             evaluates = cfg.eval.every and step % cfg.eval.every == 0
             evaluated = rollout.evaluate() if evaluates else {}
+            saves = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last
+            _log_saved(logger, saver.wait() if saves else saver.poll())         # the save before, sealed
             logger.log(step, rollout_metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
             state |= rollout.state_dict(step)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
-                checkpoint.save_checkpoint(run_dir, step, actor, state, cfg.checkpoint.keep_last, cfg.parallel)
+            if saves:
+                saver.save(step, actor, state)                                  # written in the background
+        _log_saved(logger, saver.wait())
         if last < cfg.grpo.steps:
             _say(info.rank, f"stopped after step {last} (grpo.stop_after); the same command with a larger or no "
                             f"grpo.stop_after continues from here\n"
@@ -125,6 +129,12 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         if rollout:
             rollout.close()
         parallel.shutdown()
+
+
+def _log_saved(logger: MetricsLogger, sealed: list[tuple[int, dict]]) -> None:
+    """Each sealed checkpoint's seconds (blocking, writing, in all) as a record of the step it holds."""
+    for step, figures in sealed:
+        logger.log(step, {k: v for k, v in figures.items() if v is not None}, prefix="checkpoint")
 
 
 def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, rows: ReplicaRows, pad_id: int) -> dict:

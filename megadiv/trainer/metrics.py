@@ -25,6 +25,9 @@ PROGRESS_FIELDS = [
     ("old/k3", "kl_old", "{:.4f}"),
     ("response/length_mean", "len", "{:.1f}"),
     ("loss/total", "loss", "{:+.4f}"),
+    ("checkpoint/blocking_s", "blocked_s", "{:.2f}"),
+    ("checkpoint/write_s", "write_s", "{:.2f}"),
+    ("checkpoint/total_s", "total_s", "{:.2f}"),
 ]
 TIME_FIELDS = ("rollout", "reward", "rollout_wait", "train", "sync", "step")
 

@@ -26,17 +26,22 @@ def _step(actor: Policy, info) -> dict:
 
 
 def save_then_continue(ctx):
-    """Two Adam steps, a checkpoint, then the third step: the uninterrupted reference."""
+    """Two Adam steps, a checkpoint written in the background while the third step trains: the
+    uninterrupted reference, with the save's figures."""
     a = ctx.args
     parallel = ParallelConfig(tensor_parallel=a["tp"])
     info = initialize(parallel, seed=1)
     actor = Policy(ModelConfig(hf_dir=a["hf_dir"]), parallel, "actor", OPTIM, total_steps=3)
     for _ in range(2):
         _step(actor, info)
-    checkpoint.save_checkpoint(Path(a["run_dir"]), 2, actor, {"step": 2}, keep_last=1, parallel=parallel)
-    third = _step(actor, info)
+    saver = checkpoint.CheckpointSaver(Path(a["run_dir"]), keep_last=1, parallel=parallel)
+    saver.save(2, actor, {"step": 2})
+    draws = torch.rand(4).tolist()  # the RNG streams the checkpoint holds (training draws nothing: dropout 0)
+    third = _step(actor, info)  # changes the weights and the optimizer state the writer is writing
+    (sealed,) = saver.wait()
     return {"third": third, "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b},
-            "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__}
+            "optimizer": type(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])[0]).__name__,
+            "sealed": sealed, "draws": draws}
 
 
 def resume_and_step(ctx):
@@ -46,6 +51,8 @@ def resume_and_step(ctx):
     info = initialize(parallel, seed=2)  # another seed: everything must come from the checkpoint
     actor = Policy(ModelConfig(hf_dir=a["hf_dir"]), parallel, "actor", OPTIM, total_steps=3)
     state = checkpoint.load_checkpoint(checkpoint.find_resume_point(Path(a["run_dir"]), parallel), actor)
+    draws = torch.rand(4).tolist()
     third = _step(actor, info)
-    return {"state": state, "third": third, "dp_size": info.dp_size,
+    return {"state": state, "third": third, "dp_size": info.dp_size, "draws": draws,
+            "coordinates": [info.tp_rank, info.pp_rank, info.dp_rank],
             "weights": {n: t for b in actor.export_buckets(64 << 20) for n, t in b}}
