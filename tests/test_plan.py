@@ -156,9 +156,10 @@ def test_logits_are_planned_at_the_response_positions_only(capsys):
 
 
 def test_rank0_counts_the_sync_buffers_and_the_host_memory_of_a_checkpoint(capsys):
-    """Attached servers: with the fleet's broadcast group rank 0 holds one flattened copy of a
-    bucket and one NCCL communicator, whatever the fleet's size; without one (sync_method=disk)
-    the buckets queued for each member's sync. Its host holds the model-space optimizer state the
+    """Attached servers: rank 0 holds the bucket exported ahead while the one before is sent, and
+    with the fleet's broadcast group one flattened copy of a bucket and one NCCL communicator,
+    whatever the fleet's size; without one (sync_method=disk) the buckets queued for each
+    member's sync. Its host holds the model-space optimizer state the
     checkpoint gathers, its staged share of the weights and the batch. A host too small for that
     makes the layout not fit."""
     from megadiv.cli.plan import QUEUE_DEPTH
@@ -176,9 +177,9 @@ def test_rank0_counts_the_sync_buffers_and_the_host_memory_of_a_checkpoint(capsy
     for p in (one, four):
         first, last = p["stages"][0]["components"], p["stages"][-1]["components"]
         assert first["sync_communicators"] == NCCL_COMMUNICATOR_BYTES and last["sync_communicators"] == 0
-        assert first["weight_sync_buckets"] == 2 * bucket and last["weight_sync_buckets"] == bucket
+        assert first["weight_sync_buckets"] == 3 * bucket and last["weight_sync_buckets"] == bucket
     first = disk["stages"][0]["components"]
-    assert first["sync_communicators"] == 0 and first["weight_sync_buckets"] == bucket * (1 + QUEUE_DEPTH + 1)
+    assert first["sync_communicators"] == 0 and first["weight_sync_buckets"] == bucket * (1 + 1 + QUEUE_DEPTH + 1)
     host = four["host_components"]
     tokens = 64 * 8 * (512 + 2048)  # prompts_per_step x n_samples x (prompt + rollout.max_new_tokens)
     assert host["batch"] == tokens * BATCH_BYTES_PER_TOKEN

@@ -1,7 +1,7 @@
 """A rollout fleet of two real SGLang CPU servers (megadiv.rollout.fleet): prompt groups spread
 over the servers, every weight update reaching both over one broadcast group (probe check on
 each), a refusing server named in the error within the configured timeout, a killed one dropped
-while the fleet goes on.
+during a push while the fleet goes on.
 
 The module launches its two servers once (``rollout.num_servers: 2``, concurrently; 30-90 s on
 2 cores) and stops both process groups at the end; the last test kills one of them.
@@ -119,23 +119,42 @@ def test_a_refusing_server_is_named_and_the_fleet_recovers(fleet, base, referenc
     assert fleet.weight_version == "step-5"
 
 
-def test_a_killed_server_is_dropped_and_the_fleet_goes_on(fleet, base, reference):
-    """Runs last: kills the second server's process group. The next sync drops it (named, with
-    the sync that lost it) and lands on the survivor (probe check); a generation answers there;
-    with the last server killed too, a generation fails in one line naming it
-    (tests/test_rollout_stream.py kills one mid-step)."""
+def test_a_server_killed_during_a_push_is_dropped_and_the_fleet_goes_on(fleet, base, reference):
+    """Runs last: kills the second server's process group in the middle of a push, after the
+    broadcast group over both servers has carried two buckets. Before the third is sent the push
+    finds it gone (nothing is broadcast, so the survivor is not left waiting inside the broadcast
+    for the dead server's share), drops it (named, with the push that lost it), rebuilds the group
+    over the survivor and finishes there from the bucket in flight: the report counts the model
+    once, and so do the bytes broadcast; the survivor serves the new weights (probe check); the
+    next push (the next step's)
+    succeeds to the survivor. With the last server killed too, a generation fails in one line
+    naming it (tests/test_rollout_stream.py kills one mid-step)."""
     (url_a, _), (url_b, b) = fleet.members.items()
-    os.killpg(b.server.proc.pid, signal.SIGKILL)
-    b.server.proc.wait(timeout=30)
     new = perturbed(base, seed=6)
-    report = fleet.update_weights(iter(buckets_of(new)), "after-kill")
-    assert report.num_tensors == len(new) and fleet.urls == [url_a]
-    assert "lost during weight sync 'after-kill'" in fleet.dropped[url_b]
+    buckets = buckets_of(new, per=3)
+    model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+
+    def killing_b_after_two(items):
+        for i, bucket in enumerate(items):
+            if i == 2:
+                os.killpg(b.server.proc.pid, signal.SIGKILL)
+                b.server.proc.wait(timeout=30)
+            yield bucket
+
+    report = fleet.update_weights(killing_b_after_two(buckets), "mid-push")
+    assert fleet.urls == [url_a] and "lost during weight sync 'mid-push'" in fleet.dropped[url_b]
+    assert (report.num_tensors, report.num_buckets, report.bytes) == (len(new), len(buckets), model_bytes)
+    assert report.bytes_sent == model_bytes  # bucket 2 went out once, to the survivor
     probe = ProbeBatch.random(100, RolloutConfig(), seed=0)
     trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
-    assert check_mismatch(fleet, probe, trainer, 0.05, "after-kill").max_abs < TOL
+    assert check_mismatch(fleet, probe, trainer, 0.05, "mid-push").max_abs < TOL
+    newer = perturbed(base, seed=7)
+    report = fleet.update_weights(iter(buckets_of(newer)), "next-step")
+    assert report.bytes_sent == report.bytes == model_bytes
+    trainer = reference.load(newer).logprobs(probe.prompts, probe.responses)
+    assert check_mismatch(fleet, probe, trainer, 0.05, "next-step").max_abs < TOL
     groups = fleet.generate([[5, 6, 7]] * 4, SamplingParams(n=2, max_new_tokens=8))
-    assert [len(g) for g in groups] == [2, 2, 2, 2] and {c.weight_version for g in groups for c in g} == {"after-kill"}
+    assert [len(g) for g in groups] == [2, 2, 2, 2] and {c.weight_version for g in groups for c in g} == {"next-step"}
     os.killpg(fleet.members[url_a].server.proc.pid, signal.SIGKILL)
     with pytest.raises(RolloutError, match=f"no SGLang server left.*{url_a}"):
         fleet.generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=8))

@@ -3,6 +3,8 @@ the launch command and environment of a CPU server, the probe batch."""
 import dataclasses
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from megadiv.rollout.sglang_server import (
     place_server,
     served_model_flags,
 )
-from megadiv.rollout.weight_sync import check_bucket, flatten_bucket, read_manifest
+from megadiv.rollout.weight_sync import check_bucket, exported_ahead, flatten_bucket, read_manifest
 
 
 @pytest.mark.parametrize("key, value", [
@@ -85,6 +87,42 @@ def test_flatten_bucket_aligns_every_tensor_and_round_trips():
         assert torch.equal(flat[offset:offset + n].view(dt).view(shape), original[name])
         offset += n
     assert sorted(fields["names"]) == ["a", "b", "c", "d"] and fields["load_format"] == "flattened_bucket"
+
+
+def test_the_next_bucket_is_exported_while_this_one_is_sent():
+    """exported_ahead (what a fleet sync consumes): while the caller sends bucket k, bucket k+1 is
+    produced (the caller waits for it inside its send: a plain iteration would never produce it);
+    never more than one bucket ahead; order kept; the producer's error raised after the buckets
+    before it; a caller that stops early ends the producer."""
+    produced = [threading.Event() for _ in range(5)]
+
+    def export(n: int, fail_at: int | None = None):
+        for k in range(n):
+            if k == fail_at:
+                raise RuntimeError("export failed at bucket 2")
+            produced[k].set()
+            yield [(f"w{k}", torch.full((2,), float(k)))]
+
+    received = []
+    for bucket in exported_ahead(export(5)):
+        k = len(received)
+        received.append(bucket[0][0])
+        assert k + 2 >= 5 or not produced[k + 2].is_set()  # one ahead at most: k+2 waits for k+1 to be taken
+        if k + 1 < 5:  # "sending" bucket k: bucket k+1 is exported meanwhile
+            assert produced[k + 1].wait(timeout=60), f"bucket {k + 1} was not exported while {k} was sent"
+    assert received == [f"w{k}" for k in range(5)]
+    with pytest.raises(RuntimeError, match="export failed at bucket 2"):
+        got = []
+        for bucket in exported_ahead(export(5, fail_at=2)):
+            got.append(bucket[0][0])
+    assert got == ["w0", "w1"]
+    ahead = exported_ahead(export(5))
+    next(ahead)
+    ahead.close()  # a failed sync stops reading
+    deadline = time.monotonic() + 60
+    while any(t.name == "megadiv-export" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name == "megadiv-export" for t in threading.enumerate())
 
 
 def test_manifest_and_bucket_check(tmp_path):

@@ -114,7 +114,7 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,
         spec="local" if cfg.model.transformer_impl == "local" else "te",
         server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,
-        bucket_bytes=cfg.rollout.bucket_bytes, rank0_bucket_copies=int(broadcasts),
+        bucket_bytes=cfg.rollout.bucket_bytes, rank0_bucket_copies=int(servers > 0) + int(broadcasts),
         # one broadcast group spans the fleet; without one (tensor, disk) each member's sync thread
         # is fed through its own queue (QUEUE_DEPTH) and holds the bucket it sends
         rank0_queued_buckets=QUEUE_DEPTH + 1 if servers > 1 and not broadcasts else 0,

@@ -74,8 +74,9 @@ class Workload:
     """rollout.bucket_bytes: every rank holds one gathered bucket during a weight sync
     (megadiv.models.export) ..."""
     rank0_bucket_copies: int = 0
-    """... and global rank 0 this many more (the flattened copy broadcast to the fleet: 1, or 0
-    without a broadcast group)."""
+    """... and global rank 0 this many more: the bucket exported ahead while the one before is
+    sent to SGLang servers (rollout/weight_sync.py exported_ahead), and the flattened copy
+    broadcast to the fleet (none without a broadcast group)."""
     rank0_queued_buckets: int = 0
     """Gathered buckets global rank 0 holds beyond the one being gathered while the slowest server
     reads, without a broadcast group: a queue per member (rollout/fleet.py QUEUE_DEPTH) plus the

@@ -90,8 +90,9 @@ class SyncReport:
     bytes: int
     seconds: float
     bytes_sent: int = 0
-    """What left this process over broadcast groups (``distributed``; 0 for ``tensor``/``disk``
-    and the embedded engine): a bucket broadcast once to a whole fleet counts once."""
+    """What this process put on broadcast groups (``distributed``; 0 for ``tensor``/``disk`` and
+    the embedded engine): a bucket broadcast once to a whole fleet counts once, a bucket sent again
+    after a lost server's group was rebuilt counts twice."""
 
     @property
     def mb_per_s(self) -> float:

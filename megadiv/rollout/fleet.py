@@ -17,12 +17,14 @@ class; the fleet routes work to them and gathers it back:
   (which names its server), without waiting for the others.
 - **update_weights**: every bucket goes to every member. With ``distributed`` (the default for
   servers on GPUs of their own, and on CPU) over *one* process group spanning every TP rank of
-  every server, so each bucket leaves the trainer once whatever the fleet's size; a server found
-  lost when the sync fails (no answer to /health: dead before the sync or between its buckets) is
-  dropped, the group rebuilt over the others and the sync goes on from the bucket that failed; a
-  server that refuses while alive fails the sync, named. Not handled: a server that dies *inside*
-  a broadcast leaves the others blocked in that collective, so the rebuilt group cannot form and
-  the sync fails (within rollout.sync_timeout_s, named). With
+  every server, so each bucket leaves the trainer once whatever the fleet's size, the next bucket
+  exported while this one is sent (weight_sync.exported_ahead). Every server must answer /health
+  before a bucket is broadcast; one that does not (dead before the sync or between its buckets)
+  is dropped before anything is sent, the group rebuilt over the others and the sync goes on from
+  that bucket; a server that refuses while alive fails the sync, named. Not handled: a server
+  that dies *inside* a broadcast leaves the others blocked in that collective (gloo and NCCL
+  alike, until SGLang's 30-minute group timeout), so the rebuilt group cannot form and the sync
+  fails (within rollout.sync_timeout_s, named). With
   ``tensor`` or ``disk`` each member runs its own sync in its own thread, fed the same bucket
   objects through a bounded queue (buckets produced once, at most ``QUEUE_DEPTH`` held per
   member); a refusing or dead server fails its own sync within ``rollout.sync_timeout_s``, named,
@@ -44,7 +46,6 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Iterable, Iterator, Sequence
 
-import requests
 import torch
 
 from megadiv.rollout.config import RolloutConfig
@@ -61,6 +62,7 @@ from megadiv.rollout.engine import (
 from megadiv.rollout.fleet_stream import FleetStream
 from megadiv.rollout.sglang_engine import SGLangEngine
 from megadiv.rollout.sglang_server import TrainerMemory
+from megadiv.rollout.weight_sync import answers, exported_ahead
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +169,7 @@ class FleetEngine:
     def _rejoin(self) -> None:
         """Before a sync: an attached server dropped earlier that answers again (restarted) joins
         the fleet, so this sync gives it the current weights before it serves anything."""
-        for url in [u for u in self.dropped if u in self.cfg.server_urls and _answers(u)]:
+        for url in [u for u in self.dropped if u in self.cfg.server_urls and answers(u)]:
             try:
                 member = self._attach(url)
             except RolloutError as e:
@@ -195,8 +197,10 @@ class FleetEngine:
 
     def update_weights(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
         """Every bucket to every member: one broadcast per bucket over one group spanning the fleet
-        (``distributed``), else each member's own sync, concurrently (``tensor``, ``disk``)."""
+        (``distributed``), else each member's own sync, concurrently (``tensor``, ``disk``). The
+        next bucket is exported while this one is sent (weight_sync.exported_ahead)."""
         self._rejoin()
+        buckets = exported_ahead(buckets)
         if all(m.sync_method == "distributed" for m in self.members.values()):
             return self._broadcast_to_all(buckets, version)
         return self._sync_each(buckets, version)
@@ -204,32 +208,45 @@ class FleetEngine:
     def _broadcast_to_all(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
         """One process group over every TP rank of every server, so each bucket leaves the trainer
         once whatever the fleet's size. A server found lost when the sync fails (it no longer answers
-        /health) is dropped, the group is rebuilt over the others and the sync goes on from the
-        bucket that failed (sent again: loading a bucket twice is harmless). A server that refuses
-        while alive fails the sync, named (a bad bucket would fail anywhere). One that dies inside a
-        broadcast leaves the survivors blocked in it: the rebuilt group cannot form, and the sync
-        fails within rollout.sync_timeout_s (see the module docstring)."""
+        /health; the member checks before each bucket, so none is sent) is dropped, the group is
+        rebuilt over the others and the sync goes on from the bucket that failed. A server that
+        refuses while alive fails the sync, named (a bad bucket would fail anywhere). One that dies
+        inside a broadcast leaves the survivors blocked in it: the rebuilt group cannot form, and
+        the sync fails within rollout.sync_timeout_s (see the module docstring). The report counts
+        the model once (buckets taken from the export) and every byte broadcast (bytes_sent)."""
         t0 = time.perf_counter()
-        source, last = iter(buckets), []
+        drawn = [0, 0, 0]  # buckets, tensors, bytes taken from the export: the model, counted once
+        last: list[Bucket] = []  # the bucket in flight, sent again after a rebuild
+        sent_before = 0  # bytes broadcast by the attempts that failed
+
+        def counted(items: Iterable[Bucket]) -> Iterator[Bucket]:
+            for bucket in items:
+                drawn[0], drawn[1] = drawn[0] + 1, drawn[1] + len(bucket)
+                drawn[2] += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield bucket
 
         def remembered(items: Iterable[Bucket]) -> Iterator[Bucket]:
             for bucket in items:
                 last[:] = [bucket]
                 yield bucket
 
-        feed = remembered(source)
+        exported = counted(buckets)
+        feed = remembered(exported)
         while True:
             sync = self._fleet_sync()
             try:
                 report = sync.update_weights(feed, version)
-                return dataclasses.replace(report, seconds=time.perf_counter() - t0)  # counts: the last attempt's
+                return dataclasses.replace(report, num_buckets=drawn[0], num_tensors=drawn[1], bytes=drawn[2],
+                                           seconds=time.perf_counter() - t0,
+                                           bytes_sent=sent_before + report.bytes_sent)
             except WeightSyncError as e:
-                lost = [url for url in self.members if not _answers(url)]
+                lost = [url for url in self.members if not answers(url)]
                 if not lost or len(lost) == len(self.members):
                     raise
+                sent_before += sync.bytes_sent
                 for url in lost:
                     self.drop(url, f"lost during weight sync {version!r}: {_short(e)}")
-                feed = remembered(itertools.chain(list(last), source))
+                feed = remembered(itertools.chain(list(last), exported))
 
     def _fleet_sync(self) -> SGLangEngine:
         """An SGLangEngine attached to every live server, whose lazy broadcast group spans them
@@ -335,14 +352,6 @@ def _raise_first_failure(futures: dict) -> None:
     for f in futures.values():
         if f.done() and f.exception() is not None:
             raise f.exception()
-
-
-def _answers(url: str) -> bool:
-    """Whether the server answers /health (a dead or stopped one does not, within 10 s)."""
-    try:
-        return requests.get(url + "/health", timeout=10).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def _short(e: BaseException) -> str:

@@ -51,6 +51,7 @@ from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, TrainerMem
 from megadiv.rollout.weight_sync import (
     BroadcastGroup,
     Peer,
+    answers,
     check_bucket,
     flatten_bucket,
     post,
@@ -79,7 +80,7 @@ class SGLangEngine:
         self._sync_root = Path(cfg.sync_dir) if cfg.sync_dir else None
         self._last_sync_dir: Path | None = None
         self._paused = False
-        self._bytes_sent = 0  # by the sync in progress (SyncReport.bytes_sent)
+        self.bytes_sent = 0  # by the sync in progress or the last one, failed or not (SyncReport.bytes_sent)
         if cfg.server_urls:
             self.urls = [u.rstrip("/") for u in cfg.server_urls]
         else:
@@ -163,7 +164,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         n_tensors = n_buckets = n_bytes = 0
         began, target = [], None  # the servers whose session this sync opened (and must close)
-        self._bytes_sent = 0
+        self.bytes_sent = 0
         try:
             if method == "disk":
                 target = self._new_sync_dir(version)
@@ -202,7 +203,7 @@ class SGLangEngine:
             if target is not None and target != self._last_sync_dir:
                 shutil.rmtree(target, ignore_errors=True)
             raise WeightSyncError(f"{where} failed: {e}" + self._log_hint()) from None
-        report = SyncReport(version, method, n_tensors, n_buckets, n_bytes, time.perf_counter() - t0, self._bytes_sent)
+        report = SyncReport(version, method, n_tensors, n_buckets, n_bytes, time.perf_counter() - t0, self.bytes_sent)
         log.info("weight sync %s: %d tensors in %d buckets, %.1f MB in %.3f s (%.1f MB/s)", version, n_tensors,
                  n_buckets, n_bytes / 1e6, report.seconds, report.mb_per_s)
         return report
@@ -216,11 +217,17 @@ class SGLangEngine:
         flat, fields = flatten_bucket(bucket)
         if flat.device.type != ("cuda" if self._group.backend == "nccl" else "cpu"):
             flat = flat.to("cuda" if self._group.backend == "nccl" else "cpu")
+        if len(self._peers) > 1:
+            # a server dead before the bucket is sent would leave the others blocked inside the
+            # broadcast, waiting for its share: check first, and send nothing if one is gone
+            dead = [u for u, alive in zip(self.urls, self._pool.map(answers, self.urls)) if not alive]
+            if dead:
+                raise RolloutError(f"{where}: {dead} do not answer /health: nothing sent")
         payload = dict(fields, group_name=self._group.name, flush_cache=True)
         futures = [(u, self._pool.submit(post, u, "/update_weights_from_distributed", payload, self.cfg.sync_timeout_s))
                    for u in self.urls]
+        self.bytes_sent += flat.numel() * flat.element_size()  # on the wire even if the broadcast then fails
         self._group.broadcast(flat, futures, where)
-        self._bytes_sent += flat.numel() * flat.element_size()
         for _, fut in futures:
             fut.result()  # the servers' verdicts on loading what they received
 

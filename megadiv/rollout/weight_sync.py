@@ -3,6 +3,7 @@ SGLangEngine.update_weights.
 
 - :func:`read_manifest` / :func:`check_bucket`: names, shapes and dtypes of the served checkpoint,
   checked before anything is sent (SGLang's loaders skip unknown names silently).
+- :func:`exported_ahead`: the next bucket exported (TP gather, PP broadcast) while this one is sent.
 - :func:`flatten_bucket`: one contiguous byte tensor per bucket (SGLang's ``flattened_bucket``
   format): one broadcast per bucket instead of one per tensor.
 - :class:`BroadcastGroup`: the trainer's end of SGLang's weight-update process group (gloo on CPU,
@@ -18,12 +19,14 @@ import datetime
 import io
 import logging
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from typing import Iterable, Iterator
 from urllib.parse import urlparse
 
 import requests
@@ -60,6 +63,14 @@ def post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def answers(url: str) -> bool:
+    """Whether the server answers /health (a dead or stopped one does not, within 10 s)."""
+    try:
+        return requests.get(url + "/health", timeout=10).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def read_manifest(hf_dir: str | Path) -> Manifest | None:
@@ -99,6 +110,60 @@ def check_bucket(bucket: Bucket, manifest: Manifest, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- payloads
+
+
+def exported_ahead(buckets: Iterable[Bucket]) -> Iterator[Bucket]:
+    """``buckets``, each produced in a thread while the caller sends the one before: double
+    buffering, so the trainer's export of bucket k+1 (a TP all-gather and a PP broadcast, on the
+    training groups) overlaps the transfer of bucket k (on the weight-update group), for one more
+    bucket held. The producer waits for the caller to take a bucket before making the next, so
+    never more than one is ahead; its exception is raised here, in order. The thread runs under
+    no_grad and on the caller's CUDA device (both are per thread in torch)."""
+    slot, ready = threading.Semaphore(1), threading.Semaphore(0)
+    box: list = []  # the one bucket ahead, or the producer's exception, or _EXPORTED when done
+    stop = threading.Event()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def on_device() -> Iterator[Bucket]:
+        if device is not None:
+            torch.cuda.set_device(device)
+        yield from buckets
+
+    def produce() -> None:
+        source = on_device()
+        with torch.no_grad():
+            while True:
+                slot.acquire()  # the box is empty: the caller has taken the last bucket
+                if stop.is_set():
+                    return
+                try:
+                    item = next(source)
+                except StopIteration:
+                    item = _EXPORTED
+                except BaseException as e:  # raised in the caller's thread, which owns the error
+                    item = e
+                box.append(item)
+                ready.release()
+                if item is _EXPORTED or isinstance(item, BaseException):
+                    return
+
+    threading.Thread(target=produce, daemon=True, name="megadiv-export").start()
+    try:
+        while True:
+            ready.acquire()
+            item = box.pop()
+            slot.release()  # the producer makes the next one while the caller sends this one
+            if item is _EXPORTED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # a caller that stops early (a failed sync) ends the producer at its next bucket
+        slot.release()
+
+
+_EXPORTED = object()
 
 
 def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, dict]:
