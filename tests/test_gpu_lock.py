@@ -228,7 +228,7 @@ def test_dockerfile_pip_steps_resolve_under_the_base_images_constraints(tmp_path
     cc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cc)
     keep = tmp_path / "keep.txt"          # what step 1's `pip list | grep` keeps, at the fixture's torch
-    keep.write_text("torch==2.10.0a0+b4e4ee81d3\ntransformer_engine==2.10.0\napex==0.1\n")
+    keep.write_text("torch==2.10.0a0+b4e4ee81d3\ntransformer_engine==2.10.0+769ed778\napex==0.1\n")
     steps = _pip_steps(tmp_path)
     assert [files[0].name for _, files in steps] == ["trainer.txt", "sglang.txt"]
     for command, files in steps:
