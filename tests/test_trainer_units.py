@@ -71,7 +71,8 @@ def tiny_model(tmp_path_factory):
 # weights; Adam at DP > 1 runs megatron's distributed optimizer (ZeRO-1 over DP).
 SGD, ADAM, REGULARIZED = ("token-mean", "sgd", None), ("seq-mean-token-mean", "adam", None), \
     ("token-mean", "sgd", "full_prob_l2")
-ADAM_PLAIN = ("seq-mean-token-mean", "adam_plain", None)  # optim.distributed_optimizer=false (TP=1 run only)
+# optim.distributed_optimizer=true: megatron's distributed optimizer at DP=1 too (TP=1 run only)
+ADAM_DISTRIBUTED = ("seq-mean-token-mean", "adam_distributed", None)
 # name -> (TP, PP, ranks, extra args). DP = ranks / (TP x PP); each replica trains its own rows of
 # the same global batch. Recompute and an explicit uneven stage split ride along: they must not
 # change the maths either.
@@ -123,7 +124,7 @@ class LayoutRuns(dict):
                                   args={"tp": tp, "pp": pp, "hf_dir": hf_dir, **extra,
                                         "runs": ([ADAM] if "rows" in extra
                                                  else [SGD, ADAM] + ([REGULARIZED] if pp == 1 else []))
-                                                + ([ADAM_PLAIN] if name == "tp1" else [])})
+                                                + ([ADAM_DISTRIBUTED] if name == "tp1" else [])})
         return self[name]
 
 
@@ -173,16 +174,16 @@ def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
 
 
 def test_plain_and_distributed_adam_make_the_same_update_at_dp1(layout_runs):
-    """At DP=1 megatron's DistributedOptimizer owns the whole state: the plain optimizer
-    (optim.distributed_optimizer=false) must give the same steps and weights. Observed on this CPU:
+    """At DP=1 megatron's DistributedOptimizer (optim.distributed_optimizer=true) owns the whole
+    state: it must give the same steps and weights as the plain optimizer, Adam's default there. Observed on this CPU:
     weights, losses and log-probs identical (0.0), the third step's grad norm 1.8e-8 apart (its
     reduction order); the tolerances are the layouts' float32 ones."""
     (result,) = layout_runs["tp1"]
-    plain, distributed = result[ADAM_PLAIN], result[ADAM]
+    plain, distributed = result[ADAM], result[ADAM_DISTRIBUTED]
     assert (plain["optimizer"], distributed["optimizer"]) == ("FP32Optimizer", "DistributedOptimizer")
     _assert_same_training(plain, distributed, "plain vs distributed Adam",
                           ["loss/total", "grad_norm", "entropy"], "adam")
-    assert plain["skipped"] == 1.0 and plain["unchanged"]
+    assert distributed["skipped"] == 1.0 and distributed["unchanged"]
 
 
 def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
@@ -201,10 +202,11 @@ def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
 @pytest.mark.parametrize("layouts", [["tp1", "tp2", "pp2", "dp2"], pytest.param(["tp2dp2"], marks=FOUR_RANKS)],
                          ids=["up-to-2-ranks", "tp2dp2"])
 def test_the_layouts_are_what_they_claim(layout_runs, layouts):
-    """Adam runs megatron's distributed optimizer (sharded over DP; at DP=1 too, for one checkpoint
-    format), SGD the plain one; the uneven stage split and the recompute settings reach megatron."""
+    """Adam runs megatron's distributed optimizer at DP > 1 (sharded over DP) and its plain one at
+    DP=1, SGD the plain one; the uneven stage split and the recompute settings reach megatron."""
     everywhere = [r for name in layouts for r in layout_runs[name]]
-    assert {r[ADAM]["optimizer"] for r in everywhere} == {"DistributedOptimizer"}
+    assert {r[ADAM]["optimizer"] for r in everywhere if r["dp_size"] > 1} == {"DistributedOptimizer"}
+    assert {r[ADAM]["optimizer"] for r in everywhere if r["dp_size"] == 1} == {"FP32Optimizer"}
     assert {r[SGD]["optimizer"] for r in everywhere} == {"FP32Optimizer"}
     recompute = {"tp1": (None, None, None), "dp2": ("selective", None, None), "tp2dp2": ("full", "uniform", 1)}
     for name in layouts:
@@ -288,6 +290,31 @@ def test_a_dp2_checkpoint_resumes_at_dp1_and_at_tp2(tiny_model, tmp_path):
     assert {r["optimizer"] for r in straight} == {"DistributedOptimizer"}
     ref = straight[0]
     for tp, nproc in ((1, 1), (2, 2)):
+        resumed = run_torchrun("tests.dist.trainer_checkpoint:resume_and_step", nproc, timeout_s=600,
+                               args={"tp": tp, "hf_dir": tiny_model, "run_dir": run_dir})
+        for r in resumed:
+            assert r["state"] == {"step": 2} and r["dp_size"] == nproc // tp
+            assert r["third"]["lr"] == ref["third"]["lr"]
+            for key in ("loss/total", "grad_norm", "entropy"):
+                assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, key)
+            for k, w in r["weights"].items():
+                torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
+                                           msg=lambda m, tp=tp, k=k: f"TP={tp} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_a_dp1_checkpoint_of_the_default_optimizer_resumes_at_dp2(tiny_model, tmp_path):
+    """Adam's default at DP=1 is megatron's plain optimizer, at DP=2 its distributed one: two steps
+    at DP=1, a checkpoint, a third step; the checkpoint loaded by fresh actors at DP=2 (the state
+    converted from the plain optimizer's to the distributed one's on load) and at TP=2 x DP=1
+    continues with the same third step, to the tolerances of the DP=2 -> DP=1 test above (the
+    other direction: it resumes a distributed optimizer's checkpoint with the plain one)."""
+    run_dir = str(tmp_path / "run")
+    straight = run_torchrun("tests.dist.trainer_checkpoint:save_then_continue", 1, timeout_s=600,
+                            args={"tp": 1, "hf_dir": tiny_model, "run_dir": run_dir})
+    assert {r["optimizer"] for r in straight} == {"FP32Optimizer"}
+    ref = straight[0]
+    for tp, nproc in ((1, 2), (2, 2)):
         resumed = run_torchrun("tests.dist.trainer_checkpoint:resume_and_step", nproc, timeout_s=600,
                                args={"tp": tp, "hf_dir": tiny_model, "run_dir": run_dir})
         for r in resumed:
