@@ -459,14 +459,21 @@ def _retarget_main_params(actor: Policy, optimizer_state: dict, model_state: dic
     config = actor.model.config
     half = config.bf16 or config.fp16
     mine, saved = MAIN_PARAM[actor.use_distributed_optimizer], MAIN_PARAM[saved_distributed]
-    weights = {sh.key: sh.data for sh in nested_values(model_state) if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
+
+    def place(sh, key: str) -> tuple:
+        """Where a tensor sits in the checkpoint: stacked layers share a key and differ in their
+        offsets (a factory's offsets live in its build function, which optimizer tensors share)."""
+        return (key, sh.global_offset) if isinstance(sh, ShardedTensor) else (key, id(sh.build_fn))
+
+    weights = {place(sh, sh.key): sh.data for sh in nested_values(model_state)
+               if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
 
     def retarget(x):
         if not isinstance(x, (ShardedTensor, ShardedTensorFactory)) or not x.key.startswith(mine):
             return x
         if half:
             return dataclasses.replace(x, key=saved + x.key.removeprefix(mine))
-        return LocalNonpersistentObject(weights[x.key.removeprefix(mine)])
+        return LocalNonpersistentObject(weights[place(x, x.key.removeprefix(mine))])
 
     return dict_list_map_inplace(retarget, optimizer_state)
 
