@@ -191,7 +191,8 @@ def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
     on a 512-row batch, where torch splits the matmuls and reductions over the threads: only the
     summation order may change, so the layouts' float32 tolerances hold (megadiv/parallel/threads.py;
     observed: weights 7.3e-8 apart after three steps, entropy 2.2e-8 relative, so the threads do
-    split the work). Adam only: SGD at the layouts' lr 0.5 diverges on this batch (grad norm 4.5 -> 1e5 -> NaN)."""
+    split the work). Adam only, with its default optimizer (the plain one at DP=1: the fast path of
+    docs/performance.md, Threads): SGD at the layouts' lr 0.5 diverges on this batch (grad norm 4.5 -> 1e5 -> NaN)."""
     run = ADAM
     (one,), (two,) = layout_runs["tp1-wide"], layout_runs["tp1-wide-2threads"]
     assert (one[run]["threads"], two[run]["threads"]) == (1, 2)
