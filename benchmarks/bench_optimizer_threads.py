@@ -5,7 +5,8 @@
 One process (a world of one, gloo), a random Qwen2 checkpoint shaped like the demo's tiny model
 (hidden 128, 2 layers, ffn 512, character tokenizer), and the issue-30 workload's train step: 512
 rows of a 6-8 token prompt and a 4-token response, micro-batches of 64, Adam. Two actors from the
-same weights, ``optim.distributed_optimizer`` true (the default) and false, each in its own process
+same weights, ``optim.distributed_optimizer`` true and false (the default at DP = 1 since issue 41),
+each in its own process
 (the second OpenMP pool is process-wide: it slows every later step of the process, whatever its
 optimizer), the two processes run alternately --rounds times; in each, threads 1 and 2 alternate
 --repeats times after one warm-up step each. Prints the

@@ -15,6 +15,10 @@ before and after training on the same problems):
   up to 128 new tokens, temperature 0.7, clip [0.8, 1.28], lr 2e-5, 16 micro-batches of 8;
   ``--held-out`` problems (default 20). Each (system, layout) first runs one step alone, so the
   cost of the whole benchmark is printed before it starts.
+Non-default keys: beyond the workload's own (model, data, reward, the batch shape, sampling, the
+loss, lr and gradient clip above), megadiv's config sets only ``grpo.max_tokens_per_micro_batch``
+(NON_DEFAULT_KEYS, printed at the start); the optimizer is the default (megatron's plain one at
+DP = 1 since issue 41; earlier figures set ``optim.distributed_optimizer: false`` for that).
 TRL's micro-batches hold a fixed number of rows at the batch's padded width; megadiv's the same
 rows at most, grouped by length with a token budget of that fixed micro-batch's padded size
 (``grpo.max_tokens_per_micro_batch``), each at its own width: the same loss and update without the
@@ -315,9 +319,7 @@ def workload(name: str, args) -> dict:
         "advantage": {"estimator": "grpo", "group_size": shape["samples"]},
         "loss": {"policy_loss": "clip", "eps_low": shape["eps"][0], "eps_high": shape["eps"][1], "kl_coef": 0.0,
                  "loss_agg": "token-mean"},
-        # megatron's plain optimizer: every layout here has one data-parallel rank, where the distributed
-        # optimizer buys nothing and its gloo collectives slow a multi-threaded process (docs/performance.md)
-        "optim": {"lr": shape["lr"], "clip_grad": 1.0, "distributed_optimizer": False},
+        "optim": {"lr": shape["lr"], "clip_grad": 1.0},
         "grpo": {"prompts_per_step": shape["prompts"], "mini_batches": 1, "micro_batch_size": shape["micro"]},
         "checkpoint": {"every": 0, "export_hf": False}}
 
@@ -350,6 +352,9 @@ def workload(name: str, args) -> dict:
            "eps_high": shape["eps"][1], "lr": shape["lr"], "clip_grad": 1.0, "micro_batch": shape["micro"]}
     return {"megadiv": megadiv, "trl": trl, "model": str(model)}
 
+
+# the keys megadiv's config sets that are not the workload's and not megadiv's defaults (printed)
+NON_DEFAULT_KEYS = ("grpo.max_tokens_per_micro_batch",)
 
 # layout -> (processes, threads per process, config overrides); TRL: layout -> threads
 MEGADIV_LAYOUTS = {
@@ -532,7 +537,9 @@ def main() -> None:
         raise SystemExit(f"unknown systems or layouts: {sorted(unknown)}")
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.trl_python = trl_python(args.timeout) if "trl" in args.systems else None
-    out = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "load_before": load(), "workloads": {}}
+    out = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "load_before": load(), "workloads": {},
+           "non_default_keys": list(NON_DEFAULT_KEYS)}
+    print(f"megadiv: non-default keys beyond the workload's: {', '.join(NON_DEFAULT_KEYS)}", flush=True)
     names = ["a", "b"] if args.workload == "both" else [args.workload]
     with tempfile.TemporaryDirectory(prefix="megadiv-bench-vs-trl-") as tmp:
         work = args.keep or Path(tmp)

@@ -190,10 +190,12 @@ class OptimConfig:
     """LR decay after warm-up, over all optimizer steps of the run (grpo.steps x epochs x mini-batches)."""
     distributed_optimizer: bool | None = None
     """Megatron backend, Adam: shard Adam's state over the data-parallel ranks with megatron's
-    DistributedOptimizer (ZeRO-1). Unset: on for Adam (a checkpoint then resumes at any DP size).
-    false: megatron's plain optimizer, each DP rank holding all of it; faster on CPU at DP=1 with more
-    than one thread (docs/performance.md, Threads); checkpoints resume only with the same setting.
-    SGD has no state to shard: true is refused with it."""
+    DistributedOptimizer (ZeRO-1). Unset: on for Adam at DP > 1, off at DP = 1, where there is
+    nothing to shard and megatron's plain optimizer is faster (the distributed one still runs its
+    collectives through gloo, which on CPU throttles the compute threads: docs/performance.md,
+    Threads). Either way a checkpoint resumes at any DP size and with either optimizer (the state
+    is converted on load, megadiv/trainer/checkpoint.py). true/false: that optimizer at every DP
+    size. SGD has no state to shard: true is refused with it."""
 
     def __post_init__(self):
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -205,10 +207,12 @@ class OptimConfig:
         if self.distributed_optimizer and self.optimizer != "adam":
             raise ConfigError("optim.distributed_optimizer=true shards Adam's state; optim.optimizer=sgd has none")
 
-    @property
-    def shards_state(self) -> bool:
-        """Whether megatron's DistributedOptimizer holds the state (Adam unless switched off)."""
-        return self.optimizer == "adam" and self.distributed_optimizer is not False
+    def shards_state(self, dp_size: int) -> bool:
+        """Whether megatron's DistributedOptimizer holds the state at ``dp_size`` data-parallel
+        ranks (Adam at DP > 1 unless switched off, at DP = 1 only when switched on)."""
+        if self.optimizer != "adam":
+            return False
+        return dp_size > 1 if self.distributed_optimizer is None else self.distributed_optimizer
 
 
 LoggerName = Literal["jsonl", "tensorboard", "wandb"]

@@ -294,12 +294,15 @@ def test_a_created_model_follows_the_run_directory(tmp_path):
 
 
 def test_distributed_optimizer_key_is_honest():
-    """optim.distributed_optimizer: unset means Adam's state is sharded; true with SGD (no state to
-    shard) and any value with the DeepSpeed backend (its own ZeRO) are refused."""
+    """optim.distributed_optimizer: unset means Adam's state is sharded at DP > 1 and not at DP = 1
+    (nothing to shard); true/false hold at every DP size; true with SGD (no state to shard) and any
+    value with the DeepSpeed backend (its own ZeRO) are refused."""
     from megadiv.config import ModelConfig, OptimConfig
 
-    assert OptimConfig().shards_state and not OptimConfig(distributed_optimizer=False).shards_state
-    assert not OptimConfig(optimizer="sgd").shards_state
+    assert [OptimConfig().shards_state(dp) for dp in (1, 2, 4)] == [False, True, True]
+    assert [OptimConfig(distributed_optimizer=True).shards_state(dp) for dp in (1, 2)] == [True, True]
+    assert [OptimConfig(distributed_optimizer=False).shards_state(dp) for dp in (1, 2)] == [False, False]
+    assert not OptimConfig(optimizer="sgd").shards_state(2)
     with pytest.raises(ConfigError, match="sgd"):
         OptimConfig(optimizer="sgd", distributed_optimizer=True)
     with pytest.raises(ConfigError, match="optim.distributed_optimizer"):

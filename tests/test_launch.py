@@ -193,6 +193,23 @@ def test_threads_per_rank_share_the_usable_cores_unless_omp_num_threads_is_set(m
     assert threads.threads_per_rank(4, environ={"OMP_NUM_THREADS": ""}) == 4  # empty: unset
 
 
+def test_a_cpu_server_gets_the_cores_the_ranks_leave(monkeypatch):
+    """server threads = max(1, usable cores - local ranks x threads per rank); child_env passes it
+    to a CPU SGLang server instead of the rank's own OMP_NUM_THREADS."""
+    from megadiv.parallel import threads
+    from megadiv.rollout.sglang_server import child_env
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert threads.server_threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "4"}) == 8
+    assert threads.server_threads({"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "4"}) == 1  # none left: one
+    assert threads.server_threads({"LOCAL_WORLD_SIZE": "2"}) == 1  # the launcher's rule gives the ranks all 16
+    assert threads.server_threads({"OMP_NUM_THREADS": "6"}) == 10  # no torchrun: this process is the one rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert child_env(cuda=False)["OMP_NUM_THREADS"] == "10"
+    assert child_env(cuda=True)["OMP_NUM_THREADS"] == "2"  # a GPU server keeps the rank's setting
+
+
 def test_usable_cores_follow_the_affinity_mask_and_the_cgroup_quota(monkeypatch, tmp_path):
     from megadiv.parallel import threads
 

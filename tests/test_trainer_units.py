@@ -73,7 +73,8 @@ def tiny_model(tmp_path_factory):
 # weights; Adam at DP > 1 runs megatron's distributed optimizer (ZeRO-1 over DP).
 SGD, ADAM, REGULARIZED = ("token-mean", "sgd", None), ("seq-mean-token-mean", "adam", None), \
     ("token-mean", "sgd", "full_prob_l2")
-ADAM_PLAIN = ("seq-mean-token-mean", "adam_plain", None)  # optim.distributed_optimizer=false (TP=1 run only)
+# optim.distributed_optimizer=true: megatron's distributed optimizer at DP=1 too (TP=1 run only)
+ADAM_DISTRIBUTED = ("seq-mean-token-mean", "adam_distributed", None)
 # name -> (TP, PP, ranks, extra args). DP = ranks / (TP x PP); each replica trains its own rows of
 # the same global batch. Recompute and an explicit uneven stage split ride along: they must not
 # change the maths either.
@@ -125,7 +126,7 @@ class LayoutRuns(dict):
                                   args={"tp": tp, "pp": pp, "hf_dir": hf_dir, **extra,
                                         "runs": ([ADAM] if "rows" in extra
                                                  else [SGD, ADAM] + ([REGULARIZED] if pp == 1 else []))
-                                                + ([ADAM_PLAIN] if name == "tp1" else [])})
+                                                + ([ADAM_DISTRIBUTED] if name == "tp1" else [])})
         return self[name]
 
 
@@ -175,16 +176,16 @@ def test_policy_steps_do_not_depend_on_the_layout(layout_runs, layout, run):
 
 
 def test_plain_and_distributed_adam_make_the_same_update_at_dp1(layout_runs):
-    """At DP=1 megatron's DistributedOptimizer owns the whole state: the plain optimizer
-    (optim.distributed_optimizer=false) must give the same steps and weights. Observed on this CPU:
+    """At DP=1 megatron's DistributedOptimizer (optim.distributed_optimizer=true) owns the whole
+    state: it must give the same steps and weights as the plain optimizer, Adam's default there. Observed on this CPU:
     weights, losses and log-probs identical (0.0), the third step's grad norm 1.8e-8 apart (its
     reduction order); the tolerances are the layouts' float32 ones."""
     (result,) = layout_runs["tp1"]
-    plain, distributed = result[ADAM_PLAIN], result[ADAM]
+    plain, distributed = result[ADAM], result[ADAM_DISTRIBUTED]
     assert (plain["optimizer"], distributed["optimizer"]) == ("FP32Optimizer", "DistributedOptimizer")
     _assert_same_training(plain, distributed, "plain vs distributed Adam",
                           ["loss/total", "grad_norm", "entropy"], "adam")
-    assert plain["skipped"] == 1.0 and plain["unchanged"]
+    assert distributed["skipped"] == 1.0 and distributed["unchanged"]
 
 
 def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
@@ -192,7 +193,8 @@ def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
     on a 512-row batch, where torch splits the matmuls and reductions over the threads: only the
     summation order may change, so the layouts' float32 tolerances hold (megadiv/parallel/threads.py;
     observed: weights 7.3e-8 apart after three steps, entropy 2.2e-8 relative, so the threads do
-    split the work). Adam only: SGD at the layouts' lr 0.5 diverges on this batch (grad norm 4.5 -> 1e5 -> NaN)."""
+    split the work). Adam only, with its default optimizer (the plain one at DP=1: the fast path of
+    docs/performance.md, Threads): SGD at the layouts' lr 0.5 diverges on this batch (grad norm 4.5 -> 1e5 -> NaN)."""
     run = ADAM
     (one,), (two,) = layout_runs["tp1-wide"], layout_runs["tp1-wide-2threads"]
     assert (one[run]["threads"], two[run]["threads"]) == (1, 2)
@@ -203,10 +205,11 @@ def test_policy_steps_do_not_depend_on_the_threads(layout_runs):
 @pytest.mark.parametrize("layouts", [["tp1", "tp2", "pp2", "dp2"], pytest.param(["tp2dp2"], marks=FOUR_RANKS)],
                          ids=["up-to-2-ranks", "tp2dp2"])
 def test_the_layouts_are_what_they_claim(layout_runs, layouts):
-    """Adam runs megatron's distributed optimizer (sharded over DP; at DP=1 too, for one checkpoint
-    format), SGD the plain one; the uneven stage split and the recompute settings reach megatron."""
+    """Adam runs megatron's distributed optimizer at DP > 1 (sharded over DP) and its plain one at
+    DP=1, SGD the plain one; the uneven stage split and the recompute settings reach megatron."""
     everywhere = [r for name in layouts for r in layout_runs[name]]
-    assert {r[ADAM]["optimizer"] for r in everywhere} == {"DistributedOptimizer"}
+    assert {r[ADAM]["optimizer"] for r in everywhere if r["dp_size"] > 1} == {"DistributedOptimizer"}
+    assert {r[ADAM]["optimizer"] for r in everywhere if r["dp_size"] == 1} == {"FP32Optimizer"}
     assert {r[SGD]["optimizer"] for r in everywhere} == {"FP32Optimizer"}
     recompute = {"tp1": (None, None, None), "dp2": ("selective", None, None), "tp2dp2": ("full", "uniform", 1)}
     for name in layouts:
@@ -283,7 +286,7 @@ def test_a_dp2_checkpoint_written_by_both_ranks_resumes_at_dp1_dp4_and_tp2(tiny_
     """Adam with the distributed optimizer at TP=1 x DP=2: two steps, a checkpoint written in the
     background while the third step trains. Both ranks write shards (megatron's fully parallel
     save), each rank's writer hashes its own files, and the sealed checkpoint verifies. Loaded by
-    fresh actors at DP=1, at DP=4 (ranks 2 and 3 have no saved RNG state: theirs is derived from
+    fresh actors at DP=1 (the plain optimizer, Adam's default there: the state converted), at DP=4 (ranks 2 and 3 have no saved RNG state: theirs is derived from
     their coordinates) and at TP=2, it continues with the same third step: loss, grad norm, LR and
     weights equal the uninterrupted run to float32 reduction-order error (the optimizer state in
     the checkpoint is model-space, 'fully_reshardable')."""
@@ -324,3 +327,28 @@ def test_a_dp2_checkpoint_written_by_both_ranks_resumes_at_dp1_dp4_and_tp2(tiny_
             for k, w in r["weights"].items():
                 torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
                                            msg=lambda m, tp=tp, nproc=nproc, k=k: f"TP={tp} x {nproc} {k}: {m}")
+
+
+@pytest.mark.slow
+def test_a_dp1_checkpoint_of_the_default_optimizer_resumes_at_dp2(tiny_model, tmp_path):
+    """Adam's default at DP=1 is megatron's plain optimizer, at DP=2 its distributed one: two steps
+    at DP=1, a checkpoint, a third step; the checkpoint loaded by fresh actors at DP=2 (the state
+    converted from the plain optimizer's to the distributed one's on load) and at TP=2 x DP=1
+    continues with the same third step, to the tolerances of the DP=2 -> DP=1 test above (the
+    other direction: it resumes a distributed optimizer's checkpoint with the plain one)."""
+    run_dir = str(tmp_path / "run")
+    straight = run_torchrun("tests.dist.trainer_checkpoint:save_then_continue", 1, timeout_s=600,
+                            args={"tp": 1, "hf_dir": tiny_model, "run_dir": run_dir})
+    assert {r["optimizer"] for r in straight} == {"FP32Optimizer"}
+    ref = straight[0]
+    for tp, nproc in ((1, 2), (2, 2)):
+        resumed = run_torchrun("tests.dist.trainer_checkpoint:resume_and_step", nproc, timeout_s=600,
+                               args={"tp": tp, "hf_dir": tiny_model, "run_dir": run_dir})
+        for r in resumed:
+            assert r["state"] == {"step": 2} and r["dp_size"] == nproc // tp
+            assert r["third"]["lr"] == ref["third"]["lr"]
+            for key in ("loss/total", "grad_norm", "entropy"):
+                assert r["third"][key] == pytest.approx(ref["third"][key], **METRIC_TOL), (tp, key)
+            for k, w in r["weights"].items():
+                torch.testing.assert_close(w, ref["weights"][k], **WEIGHT_TOL["adam"],
+                                           msg=lambda m, tp=tp, k=k: f"TP={tp} {k}: {m}")

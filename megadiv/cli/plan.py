@@ -110,7 +110,8 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
     broadcasts = servers > 0 and _broadcasts(cfg.rollout.sync_method, colocated)
     return Workload(
         micro_batch_size=rows, seq_len=seq_len, logit_positions=positions, micro_batches_in_flight=in_flight,
-        params_dtype=cfg.model.params_dtype, optimizer=cfg.optim.optimizer, reference=cfg.needs_reference,
+        params_dtype=cfg.model.params_dtype, optimizer=cfg.optim.optimizer,
+        distributed_optimizer=cfg.optim.distributed_optimizer, reference=cfg.needs_reference,
         log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,
         spec="local" if cfg.model.transformer_impl == "local" else "te",
         server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,

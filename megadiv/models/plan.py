@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megadiv.config import OptimConfig
 from megadiv.models.families import FAMILIES
 from megadiv.models.hf_config import ArchSpec
 from megadiv.models.sharding import VOCAB_MULTIPLE, padded_vocab_size, stage_layer_counts
@@ -61,6 +62,8 @@ class Workload:
     """Micro-batches per mini-batch on one DP replica (1F1B keeps min(PP, this) on stage 0)."""
     params_dtype: str = "bfloat16"
     optimizer: Literal["adam", "sgd"] = "adam"
+    distributed_optimizer: bool | None = None
+    """optim.distributed_optimizer (unset: megatron's distributed optimizer with Adam at DP > 1)."""
     reference: bool = False
     """A frozen reference model beside the actor (KL penalty or regulariser)."""
     log_probs_chunk: int | None = None
@@ -218,10 +221,11 @@ class StateBytes:
     buffer (megatron's default sgd_momentum 0.9)."""
 
 
-def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0) -> StateBytes:
-    """Actor state on one rank (megadiv.policy.megatron: the distributed optimizer with Adam, at every
-    DP size, so that checkpoints have one format)."""
-    distributed = optimizer == "adam"
+def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0,
+                distributed_optimizer: bool | None = None) -> StateBytes:
+    """Actor state on one rank (megadiv.policy.megatron: megatron's distributed optimizer where
+    ``optim.distributed_optimizer`` puts it, by default with Adam at DP > 1; the plain one otherwise)."""
+    distributed = OptimConfig(optimizer=optimizer, distributed_optimizer=distributed_optimizer).shards_state(dp)
     layout = buffer_layout(params, distributed, dp)
     e = DTYPE_BYTES[params_dtype]
     owned = optimizer_shard_numel(layout, dp, dp_rank) if distributed else sum(p.numel for p in params)
@@ -388,7 +392,7 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
     for stage, layers in enumerate(counts):
         first, last = stage == 0, stage == layout.pp - 1
         params = stage_params(arch, layout.tp, layout.pp, stage, stage_layers)
-        state = state_bytes(params, dt, work.optimizer, layout.dp)
+        state = state_bytes(params, dt, work.optimizer, layout.dp, distributed_optimizer=work.distributed_optimizer)
         replica_weights += state.weights * layout.tp
         boundary = boundary_activation_bytes(arch, layout.tp, b, s, dt, work.spec, first, last)
         # 1F1B: stage i holds min(PP - i, micro-batches) micro-batches' activations at its peak

@@ -6,7 +6,8 @@ this machine, unless OMP_NUM_THREADS says otherwise.
 Usable cores are the CPUs this process may run on (its affinity mask: taskset, a cgroup cpuset),
 capped by a cgroup v2 CPU quota (cpu.max). ``megadiv train --nproc N`` passes the figure to
 torchrun's ranks as OMP_NUM_THREADS (torchrun's own default is 1 per rank); a ``megadiv train``
-without torchrun applies it to itself. More threads than cores (ranks x threads > cores) make
+without torchrun applies it to itself. A CPU SGLang server a rank launches gets the cores the
+ranks leave (``server_threads``). More threads than cores (ranks x threads > cores) make
 OpenMP threads wait for each other on every operation: docs/performance.md, Threads.
 """
 from __future__ import annotations
@@ -36,3 +37,16 @@ def threads_per_rank(local_ranks: int, environ=os.environ) -> int:
     if given.isdigit() and int(given) > 0:
         return int(given)
     return max(1, usable_cores() // max(1, local_ranks))
+
+
+def server_threads(environ=os.environ) -> int:
+    """OpenMP threads for a CPU rollout server (SGLang) that a rank launches beside this machine's
+    ranks: the usable cores the ranks leave, at least one.
+
+        server threads = max(1, usable cores - local ranks x threads per rank)
+
+    Local ranks: torchrun's LOCAL_WORLD_SIZE (1 without torchrun); threads per rank as above. The
+    server would otherwise inherit the rank's OMP_NUM_THREADS and, beside ranks that already hold
+    every core, oversubscribe them (docs/performance.md, Threads)."""
+    local = int(environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, usable_cores() - local * threads_per_rank(local, environ))

@@ -93,6 +93,7 @@ class Policy:
             self._init_training(optim_cfg or OptimConfig(), total_steps)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
+        from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -102,9 +103,9 @@ class Policy:
 
         config = self.model.config
         # ZeRO-1 style sharding of optimizer state over DP (megatron's DistributedOptimizer keeps Adam
-        # only); by default also at DP=1, so that Adam's checkpoints have one format at every DP size
-        # (optim.distributed_optimizer=false: the plain optimizer, no gloo collectives at DP=1)
-        use_distributed_optimizer = optim.shards_state
+        # only); by default at DP > 1 only: at DP=1 it would shard nothing and its gloo collectives
+        # throttle the CPU threads. Checkpoints convert between the two (trainer/checkpoint.py).
+        use_distributed_optimizer = optim.shards_state(parallel_state.get_data_parallel_world_size())
         self.optim_name, self.use_distributed_optimizer = optim.optimizer, use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,

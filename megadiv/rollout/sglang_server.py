@@ -35,6 +35,7 @@ import psutil
 import requests
 
 from megadiv.config import ConfigError
+from megadiv.parallel.threads import server_threads
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.engine import RolloutError
 
@@ -238,8 +239,8 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 
 
 def child_env(cuda: bool, shares_trainer_gpus: bool = False) -> dict[str, str]:
-    """The server's environment: ours without torchrun's, plus the CPU tier's switches and
-    stand-ins without CUDA. A server on the trainer's GPUs finds them holding unequal memory
+    """The server's environment: ours without torchrun's, plus the CPU tier's switches, stand-ins
+    and thread count (megadiv.parallel.threads.server_threads) without CUDA. A server on the trainer's GPUs finds them holding unequal memory
     (pipeline stages, rank 0's extras): SGLang's TP memory-balance check (on by default) refuses
     to start when one GPU has less than 0.9 x another's free memory; place_server has sized the
     server against the least free GPU, as SGLang then does, so the check is turned into its warning."""
@@ -249,6 +250,7 @@ def child_env(cuda: bool, shares_trainer_gpus: bool = False) -> dict[str, str]:
         env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] = "0"
     if not cuda:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["OMP_NUM_THREADS"] = str(server_threads())  # the cores the ranks leave, not the rank's own count
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDINS), env.get("PYTHONPATH")) if p)
     return env
 

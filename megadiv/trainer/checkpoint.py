@@ -38,6 +38,7 @@ RNG files for, or another TP size) derives its streams from the step and its coo
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -576,21 +577,21 @@ def _load(path: Path, actor: Policy) -> dict:
         return trainer_state
     common = dist_checkpointing.load_common_state_dict(str(path))
     # written before the key existed: the distributed optimizer's exactly when it holds Adam's state
-    saved_sharded = common.get("distributed_optimizer", common["adam_step"] is not None)
-    if saved_sharded != actor.use_distributed_optimizer:
-        raise ConfigError(f"{path} holds the {'distributed' if saved_sharded else 'plain'} optimizer's state; this run "
-                          f"uses the {'distributed' if actor.use_distributed_optimizer else 'plain'} one: resume it "
-                          f"with optim.distributed_optimizer={str(saved_sharded).lower()}")
+    saved_distributed = common.get("distributed_optimizer", common["adam_step"] is not None)
     _materialize_adam_state(actor.optimizer, common["adam_step"])
     # the replicas of a data-parallel group need the same shards: each is read by one of them and
     # broadcast to the others (megatron's fully parallel load), not read once per replica
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
-    state = dist_checkpointing.load(_state_template(actor, is_loading=True), str(path), sharded_strategy=strategy)
+    state = dist_checkpointing.load(_state_template(actor, is_loading=True, saved_distributed=saved_distributed),
+                                    str(path), sharded_strategy=strategy)
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
         gpt.load_state_dict(state[key])
+    optimizer_state = state["optimizer"]
+    if saved_distributed != actor.use_distributed_optimizer:
+        optimizer_state = _converted_optimizer_state(actor, state[CONVERTED], common["optimizer"])
     with torch.no_grad():
-        _load_optimizer(actor.optimizer, state["optimizer"])
+        _load_optimizer(actor.optimizer, optimizer_state)
     actor.scheduler.load_state_dict(state["scheduler"])
     _load_rng(path, manifest)
     return state["trainer"]
@@ -654,11 +655,79 @@ def _load_optimizer(optimizer, state: dict) -> None:
             st["step"] = st["step"].clone()
 
 
-def _state_template(actor: Policy, is_loading: bool) -> dict:
+def _state_template(actor: Policy, is_loading: bool, saved_distributed: bool | None = None) -> dict:
+    """What megatron saves or loads. Loading another optimizer's state (``saved_distributed``: how
+    the checkpoint was written), the running optimizer's tensors are asked for under the saved
+    keys (``_retarget_main_params``) and under CONVERTED, apart from the saved non-tensor state."""
     model_state = sharded_state_dict(actor.model)
     optimizer_state = actor.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                          metadata=OPTIMIZER_METADATA)
+    if is_loading and saved_distributed != actor.use_distributed_optimizer:
+        return {**model_state, CONVERTED: _retarget_main_params(actor, optimizer_state, model_state, saved_distributed)}
     return {**model_state, "optimizer": optimizer_state}
+
+
+# The two optimizers' checkpoints hold the same model-space tensors (one per parameter and state,
+# keyed by the parameter's key K, sharded like it): 'optimizer.state.exp_avg.K' and
+# 'optimizer.state.exp_avg_sq.K' (SGD: none), and the fp32 main parameter as
+# 'optimizer.state.param.K' (distributed, 'fully_reshardable') or 'optimizer.state.fp32_param.K'
+# (plain, bf16/fp16 weights; with fp32 weights the plain optimizer steps the weights K
+# themselves). So one loads the other's by renaming the main parameters' keys; the non-tensor
+# state (hyperparameters, the step, the LR) is the running optimizer's own, from the same config,
+# with the saved step (``_materialize_adam_state``) and schedule, and the saved loss scale.
+CONVERTED = "optimizer_converted"
+MAIN_PARAM = {True: "optimizer.state.param.", False: "optimizer.state.fp32_param."}
+
+
+def _retarget_main_params(actor: Policy, optimizer_state: dict, model_state: dict, saved_distributed: bool) -> dict:
+    """The running optimizer's load template with its main parameters' keys as the other
+    optimizer wrote them; a distributed optimizer resuming a plain fp32 checkpoint takes its main
+    parameters from the weights (loaded first, in place)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
+
+    config = actor.model.config
+    half = config.bf16 or config.fp16
+    mine, saved = MAIN_PARAM[actor.use_distributed_optimizer], MAIN_PARAM[saved_distributed]
+
+    def place(sh, key: str) -> tuple:
+        """Where a tensor sits in the checkpoint: stacked layers share a key and differ in their
+        offsets (a factory's offsets live in its build function, which optimizer tensors share)."""
+        return (key, sh.global_offset) if isinstance(sh, ShardedTensor) else (key, id(sh.build_fn))
+
+    weights = {place(sh, sh.key): sh.data for sh in nested_values(model_state)
+               if isinstance(sh, (ShardedTensor, ShardedTensorFactory))}
+
+    def retarget(x):
+        if not isinstance(x, (ShardedTensor, ShardedTensorFactory)) or not x.key.startswith(mine):
+            return x
+        if half:
+            return dataclasses.replace(x, key=saved + x.key.removeprefix(mine))
+        return LocalNonpersistentObject(weights[place(x, x.key.removeprefix(mine))])
+
+    return dict_list_map_inplace(retarget, optimizer_state)
+
+
+def _converted_optimizer_state(actor: Policy, loaded: dict, saved_common: dict) -> dict:
+    """The running optimizer's state dict (its hyperparameters and materialized step) with the
+    tensors loaded from the other optimizer's checkpoint, and the saved loss scale (fp16)."""
+    state = _with_tensors(actor.optimizer.state_dict(), loaded)
+    if "grad_scaler" in saved_common:
+        state["grad_scaler"] = saved_common["grad_scaler"]
+    if actor.use_distributed_optimizer:
+        state["param_state_sharding_type"] = OPTIMIZER_METADATA["distrib_optim_sharding_type"]
+    return state
+
+
+def _with_tensors(base, loaded):
+    """``base`` with every tensor of ``loaded`` put at its place (the same nesting of dicts and lists)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded
+    if isinstance(loaded, (dict, list)):
+        for k, v in (loaded.items() if isinstance(loaded, dict) else enumerate(loaded)):
+            base[k] = _with_tensors(base[k], v) if isinstance(base, list) or k in base else v
+    return base
 
 
 def _adam_steps(optimizer):

@@ -21,8 +21,9 @@ SGD = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0)
 # parity would hold only by luck of the summation order. At 1e-5 the slope is 100, and the steps
 # are still Adam's normalised ones: median |w - w0| after three steps 1.46e-3 (1.54e-3 at 1e-8).
 ADAM = OptimConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, adam_eps=1e-5)
-# run name -> optimizer; adam_plain: megatron's plain optimizer instead of the distributed one
-OPTIMIZERS = {"sgd": SGD, "adam": ADAM, "adam_plain": replace(ADAM, distributed_optimizer=False)}
+# run name -> optimizer; adam: Adam's default (megatron's plain optimizer at DP=1, its distributed
+# one at DP > 1); adam_distributed: the distributed one at DP=1 too
+OPTIMIZERS = {"sgd": SGD, "adam": ADAM, "adam_distributed": replace(ADAM, distributed_optimizer=True)}
 
 
 def _batch(rows: int = ROWS) -> SequenceBatch:
