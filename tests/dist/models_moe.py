@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.dist.models import _error, _export, _hf_logits, _hf_tensors, _same_tensors, _shared_tmp, _tokens
+from tests.dist.models import SEQ, _error, _export, _hf_logits, _hf_tensors, _same_tensors, _shared_tmp, _tokens
 
 
 def _layout(ep: int):
@@ -63,32 +63,30 @@ def one_rank(ctx) -> dict:
     return results
 
 
-def two_ranks(ctx) -> dict:
-    """EP=2 (2 data-parallel ranks, each holding half the experts) against EP=1: per-token
-    log-probs of each rank's sequence and every gradient after megatron's DDP reduction (expert
-    gradients over the expert-data-parallel group only); export gathered over EP; a checkpoint
-    written at EP=2 loaded at EP=1; the refusals."""
+def _ep2_vs_ep1(ctx, hf_dir: str, results: dict):
+    """Every rank trains its own sequence at EP=2 (world = DP ranks, each holding E/2 experts)
+    against an EP=1 reference that runs all the world's sequences on each rank: per-token
+    log-probs, and every gradient after megatron's DDP reduction (dense over DP, experts over
+    their expert-data-parallel group only). Returns (EP=2 model, tokens, EP=1 logits)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megadiv.models import build_model, load_megatron_checkpoint, save_megatron_checkpoint
+    from megadiv.models import build_model
     from megadiv.models.loading import megatron_params
 
-    hf_dir = ctx.args["models"]["moe"]
-    results: dict = {}
     # sum of token log-probs: megatron's per-token-loss mode leaves DDP's sums unscaled, so the
-    # EP=2 gradients (DP=2) are those of the loss summed over both ranks' sequences
+    # EP=2 gradients are those of the loss summed over all ranks' sequences
     overrides = {"calculate_per_token_loss": True}
 
-    # EP=1 reference on every rank: both sequences, plain autograd
-    _layout(1)
+    # EP=1 reference on every rank: all sequences, plain autograd
+    world = _layout(1).world_size
     reference = build_model(hf_dir, role="actor", config_overrides=overrides)
-    tokens = _tokens(reference.vocab_size)  # [2, s]: rank r trains sequence r at EP=2
-    ref_logp = _token_log_probs(reference.chunks[0], tokens, reference.vocab_size)  # [2, s-1]
+    tokens = torch.randint(0, reference.vocab_size, (world, SEQ), generator=torch.Generator().manual_seed(0))
+    ref_logp = _token_log_probs(reference.chunks[0], tokens, reference.vocab_size)  # [world, s-1]
     ref_logp.sum().backward()
     ref_grads = {name: p.grad.clone() for name, p in megatron_params(reference)}
     with torch.no_grad():
-        ref_logits = reference.chunks[0](tokens, torch.arange(tokens.shape[1]).unsqueeze(0), attention_mask=None)
+        ref_logits = reference.chunks[0](tokens, torch.arange(SEQ).unsqueeze(0), attention_mask=None)
 
     info = _layout(2)
     results["ep_rank"], results["dp_size"] = info.ep_rank, info.dp_size
@@ -108,12 +106,24 @@ def two_ranks(ctx) -> dict:
     ddp.finish_grad_sync()
     grads = dict((name, p.main_grad) for name, p in megatron_params(actor))
     results["grad_names_match"] = set(grads) <= set(ref_grads) and len(grads) == len(names)
+    # per tensor: max |g - g_ref| / max |g_ref| (in float32 ulps of the tensor's largest entry)
+    rel = {n: _max_diff(grads[n], ref_grads[n]) / float(ref_grads[n].abs().max()) / 1.19e-7 for n in grads}
     expert = [n for n in grads if ".local_experts." in n]
-    results["expert_grad_diff"] = max(_max_diff(grads[n], ref_grads[n]) for n in expert)
-    results["dense_grad_diff"] = max(_max_diff(grads[n], ref_grads[n]) for n in grads if n not in expert)
-    results["router_grad_diff"] = max(_max_diff(grads[n], ref_grads[n]) for n in grads if n.endswith("router.weight"))
-    results["grad_scale"] = max(float(g.abs().max()) for g in grads.values())
+    results["expert_grad_ulps"] = max(rel[n] for n in expert)
+    results["dense_grad_ulps"] = max(rel[n] for n in grads if n not in expert)
+    results["router_grad_ulps"] = max(rel[n] for n in grads if n.endswith("router.weight"))
     results["experts_without_grad"] = sorted(n for n in expert if not grads[n].any())
+    return actor, tokens, ref_logits
+
+
+def two_ranks(ctx) -> dict:
+    """EP=2 on 2 ranks (expert-data-parallel size 1) against EP=1 (_ep2_vs_ep1); export gathered
+    over EP; a checkpoint written at EP=2 loaded at EP=1; the refusals."""
+    from megadiv.models import build_model, load_megatron_checkpoint, save_megatron_checkpoint
+
+    hf_dir = ctx.args["models"]["moe"]
+    results: dict = {}
+    actor, tokens, ref_logits = _ep2_vs_ep1(ctx, hf_dir, results)
 
     # export at EP=2: every rank yields every expert, gathered over the EP group
     exported, _ = _export(actor, 16 << 10)
@@ -126,7 +136,7 @@ def two_ranks(ctx) -> dict:
     resharded = build_model(hf_dir, role="reference", load_weights=False)
     load_megatron_checkpoint(resharded, tmp / "ckpt")
     with torch.no_grad():
-        logits = resharded.chunks[0](tokens, torch.arange(tokens.shape[1]).unsqueeze(0), attention_mask=None)
+        logits = resharded.chunks[0](tokens, torch.arange(SEQ).unsqueeze(0), attention_mask=None)
     results["ep2_to_ep1_bitwise"] = bool(torch.equal(logits, ref_logits))
 
     # refusals, before any group or model is built
@@ -137,6 +147,14 @@ def two_ranks(ctx) -> dict:
     results["error/ep_experts"] = _error(lambda: build_model(ctx.args["models"]["moe3"], role="reference"))
     results["error/ep_dense"] = _error(lambda: build_model(ctx.args["models"]["dense"], role="reference"))
     dist.barrier()
+    return results
+
+
+def four_ranks(ctx) -> dict:
+    """DP=4 x EP=2 (expert-data-parallel size 2: each expert on two ranks, its gradients reduced
+    over those two) against EP=1 (_ep2_vs_ep1)."""
+    results: dict = {}
+    _ep2_vs_ep1(ctx, ctx.args["models"]["moe"], results)
     return results
 
 
