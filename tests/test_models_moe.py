@@ -172,3 +172,9 @@ def test_plan_refuses_moe_for_now(models, tmp_path, capsys):
                "--hf-config", str(Path(models["moe"]) / "config.json"),
                "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gib", "80"])
     assert rc == 2 and "does not count expert parameters yet" in capsys.readouterr().err
+
+
+def test_pp2_logits_and_export(two):
+    last = [r for r in two if "pp2_logit_diff" in r]
+    assert len(last) == 1 and last[0]["pp2_logit_diff"] <= LOGIT_TOL, last
+    assert all(r["pp2_export_exact"] for r in two)

@@ -9,16 +9,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.dist.models import SEQ, _error, _export, _hf_logits, _hf_tensors, _same_tensors, _shared_tmp, _tokens
+from tests.dist.models import (SEQ, _error, _export, _hf_logits, _hf_tensors, _megatron_logits, _same_tensors,
+                               _shared_tmp, _tokens)
 
 
-def _layout(ep: int):
-    """(Re)build megatron's parallel state with TP = PP = 1 and ``ep`` expert-parallel ranks."""
+def _layout(ep: int, pp: int = 1):
+    """(Re)build megatron's parallel state with TP = 1, ``pp`` stages and ``ep`` expert-parallel ranks."""
     from megadiv.config import ParallelConfig
     from megadiv.parallel import initialize, shutdown
 
     shutdown(keep_default_group=True)
-    return initialize(ParallelConfig(expert_parallel=ep))
+    return initialize(ParallelConfig(pipeline_parallel=pp, expert_parallel=ep))
 
 
 def _token_log_probs(chunk, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -118,7 +119,7 @@ def _ep2_vs_ep1(ctx, hf_dir: str, results: dict):
 
 def two_ranks(ctx) -> dict:
     """EP=2 on 2 ranks (expert-data-parallel size 1) against EP=1 (_ep2_vs_ep1); export gathered
-    over EP; a checkpoint written at EP=2 loaded at EP=1; the refusals."""
+    over EP; a checkpoint written at EP=2 loaded at EP=1; the refusals; PP=2 logits and export."""
     from megadiv.models import build_model, load_megatron_checkpoint, save_megatron_checkpoint
 
     hf_dir = ctx.args["models"]["moe"]
@@ -146,6 +147,14 @@ def two_ranks(ctx) -> dict:
     _layout(2)
     results["error/ep_experts"] = _error(lambda: build_model(ctx.args["models"]["moe3"], role="reference"))
     results["error/ep_dense"] = _error(lambda: build_model(ctx.args["models"]["dense"], role="reference"))
+
+    # PP=2 (one MoE layer per stage) through megatron's pipeline schedule: logits and export
+    _layout(1, pp=2)
+    staged = build_model(hf_dir, role="reference")
+    logits = _megatron_logits(staged, tokens)
+    if logits is not None:
+        results["pp2_logit_diff"] = _max_diff(logits[..., :staged.vocab_size], _hf_logits(hf_dir, tokens))
+    results["pp2_export_exact"] = _same_tensors(_export(staged, 16 << 10)[0], _hf_tensors(hf_dir))
     dist.barrier()
     return results
 
