@@ -49,13 +49,18 @@ class ParallelConfig:
     megatron needs equal middle stages. None: even, or the first and last stages take the rest."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the tensor-parallel group (needs tensor_parallel > 1)."""
+    expert_parallel: int = 1
+    """Expert-parallel ranks of a mixture-of-experts model: each holds num_experts / expert_parallel
+    of every MoE layer's experts. They are data-parallel ranks (the data-parallel size must be a
+    multiple); the rest of the model is replicated over them. ``megadiv train`` takes 1 only (MoE
+    training is not wired through the trainer yet: docs/models.md, Mixture of experts)."""
     timeout_s: float = 600.0
     """Timeout of every collective; a dead peer fails the run after this long instead of hanging it."""
     allow_untested_megatron: bool = False
     """Let the CPU compatibility layer run on a megatron-core version it was not tested against."""
 
     def __post_init__(self):
-        for key in ("tensor_parallel", "pipeline_parallel"):
+        for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.virtual_pipeline is not None and (self.virtual_pipeline < 1 or self.pipeline_parallel < 2):
@@ -82,7 +87,13 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by parallel.tensor_parallel * "
                 f"parallel.pipeline_parallel = {self.tensor_parallel} * {self.pipeline_parallel} = "
                 f"{self.model_parallel_size}")
-        return world_size // self.model_parallel_size
+        data_parallel = world_size // self.model_parallel_size
+        if data_parallel % self.expert_parallel:
+            raise ConfigError(
+                f"parallel.expert_parallel={self.expert_parallel} does not divide the {data_parallel} data-parallel "
+                f"ranks (world size {world_size} / (tensor_parallel x pipeline_parallel)): expert-parallel ranks are "
+                f"data-parallel ranks")
+        return data_parallel
 
 
 @dataclass(frozen=True)

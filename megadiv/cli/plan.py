@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         with hf_config_stand_in(args) as (note, _):
             cfg = load_train_config(args, world)
             arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
+            if arch.is_moe:  # megadiv.models.plan counts dense layers only
+                raise ConfigError(f"{cfg.model.hf_dir} is a mixture-of-experts model ({arch.family}): megadiv plan "
+                                  f"does not count expert parameters yet (docs/models.md, Mixture of experts)")
     except (ConfigError, OSError, ValueError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2

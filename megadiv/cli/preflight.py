@@ -123,6 +123,10 @@ def _check_model_dir(hf_dir: Path, backend: str, check_weights: bool) -> None:
             raise ConfigError(f"model.hf_dir: transformers cannot read {hf_dir}/config.json: {e}") from None
     else:
         arch = arch_from_hf_config(load_hf_config(hf_dir))
+        if arch.is_moe:
+            raise ConfigError(f"model.hf_dir: {hf_dir} is a mixture-of-experts model ({arch.family}); megadiv "
+                              f"converts and runs these (megadiv.models) but does not train them yet "
+                              f"(docs/models.md, Mixture of experts)")
     if not check_weights:
         return
     try:

@@ -105,6 +105,11 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
         raise ConfigError(f"parallel config TP={parallel.tensor_parallel} PP={parallel.pipeline_parallel} does not "
                           f"match the initialised parallel state TP={tp} PP={pp}")
     _check_divisible(arch, tp, pp)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if arch.is_moe:
+        _check_moe(arch, tp, ep)
+    elif ep > 1:
+        raise ConfigError(f"expert_parallel={ep} needs a mixture-of-experts model; {arch.family} is dense")
     if stage_layers is None and parallel is not None:
         stage_layers = parallel.stage_layers
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_multiple)
@@ -112,8 +117,8 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
     config = transformer_config(arch, family, cfg, tp=tp, pp=pp, vpp=vpp,
                                 sequence_parallel=parallel.sequence_parallel if parallel else False,
                                 stage_layers=stage_layer_counts(arch.num_layers, pp, stage_layers),
-                                initialize=not load_weights, **(config_overrides or {}))
-    spec = layer_spec(family, _resolve_impl(cfg))
+                                initialize=not load_weights, ep=ep, **(config_overrides or {}))
+    spec = layer_spec(family, _resolve_impl(cfg, moe=arch.is_moe), arch.num_experts or None)
     chunks = []
     for vp_stage in range(vpp or 1):
         vp = vp_stage if vpp else None
@@ -150,7 +155,8 @@ def gradient_accumulation_fusion_available() -> bool:
 
 
 def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
-                       sequence_parallel: bool, stage_layers: list[int], initialize: bool, **overrides):
+                       sequence_parallel: bool, stage_layers: list[int], initialize: bool, ep: int = 1,
+                       **overrides):
     """The megatron TransformerConfig reproducing the HF architecture exactly."""
     from megatron.core.transformer import TransformerConfig
 
@@ -189,6 +195,8 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         # fused_weight_gradient_mlp_cuda; TE layers have their own) instead of a bf16 grad and an add
         gradient_accumulation_fusion=cuda and gradient_accumulation_fusion_available(),
     )
+    if arch.is_moe:
+        fields.update(moe_fields(arch, ep))
     if cfg.fp8 != "none":
         from megadiv.models.fp8 import check_fp8_here
 
@@ -197,6 +205,49 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         fields.update(fp8="hybrid", fp8_recipe=cfg.fp8)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def moe_fields(arch: ArchSpec, ep: int) -> dict:
+    """The TransformerConfig fields of a Qwen3-MoE layer, routed as transformers routes it.
+
+    HF: p = softmax(x W_gate^T) over all E experts, keep the top k, and with norm_topk_prob
+    divide them by their sum. Megatron's softmax router with moe_router_pre_softmax=False takes
+    the top k logits first and softmaxes over those k: exp(l_i) / sum_topk exp(l_j), the same
+    renormalised probabilities; pre_softmax=True is the unnormalised case. Every token reaches
+    all of its k experts (no capacity factor: token-dropless), and the load-balancing loss is off
+    (RL fine-tuning of a trained router; the released checkpoints' router_aux_loss_coef applies
+    to pre-training)."""
+    return dict(
+        num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=None,
+        # allgather: every EP rank gathers the group's tokens and runs its own experts on them; the
+        # alltoall dispatcher needs CUDA streams. SequentialMLP experts (one MLP per expert; grouped
+        # GEMMs need CUDA or Transformer Engine).
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        expert_model_parallel_size=ep)
+
+
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16.1 imports ``te_general_gemm`` in transformer/moe/moe_utils.py only when
+    Transformer Engine imports, yet the router's RouterGatingLinearFunction tests
+    ``te_general_gemm is not None`` unconditionally: without TE every MoE forward raises
+    NameError (fixed upstream in 0.19, which defines it as None). Defining the absent name as
+    None selects the torch.mm path that test guards, exactly as 0.19 does."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _check_moe(arch: ArchSpec, tp: int, ep: int) -> None:
+    if arch.num_experts % ep:
+        raise ConfigError(f"expert_parallel={ep} does not divide the {arch.num_experts} experts of this model")
+    if tp > 1:
+        raise ConfigError(f"tensor_parallel={tp} with a mixture-of-experts model is not supported yet (megatron needs "
+                          f"sequence parallelism for MoE with TP > 1); use tensor_parallel=1 and expert_parallel")
+    _define_te_general_gemm()
 
 
 def mark_tensor_parallel(module: torch.nn.Module) -> None:
@@ -230,12 +281,17 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
         set_defaults_if_not_set_tensor_model_parallel_attributes(p)
 
 
-def layer_spec(family: Family, impl: str):
+def layer_spec(family: Family, impl: str, num_experts: int | None = None):
     """Megatron's local layer spec, or the Transformer Engine spec (needs TE, i.e. a GPU)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=family.qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                        qk_layernorm=family.qk_layernorm, normalization="RMSNorm")
+    if num_experts:
+        raise ConfigError("model.transformer_impl=transformer_engine with a mixture-of-experts model is not "
+                          "supported yet (megadiv maps megatron's SequentialMLP experts only); use "
+                          "transformer_impl=local")
     if not gpt_layer_specs.HAVE_TE:
         raise ConfigError("model.transformer_impl=transformer_engine needs Transformer Engine, which is not "
                           "importable here (pip install 'megadiv[gpu]' on a CUDA machine); use "
@@ -243,12 +299,13 @@ def layer_spec(family: Family, impl: str):
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_layernorm)
 
 
-def _resolve_impl(cfg: ModelConfig) -> str:
+def _resolve_impl(cfg: ModelConfig, moe: bool = False) -> str:
     if cfg.transformer_impl != "auto":
         return cfg.transformer_impl
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if torch.cuda.is_available() and gpt_layer_specs.HAVE_TE:
+    # MoE: megadiv maps the local spec's SequentialMLP experts only (layer_spec)
+    if torch.cuda.is_available() and gpt_layer_specs.HAVE_TE and not moe:
         return "transformer_engine"
     if cfg.fp8 != "none":
         raise ConfigError(f"model.fp8={cfg.fp8!r} needs Transformer Engine on a GPU; it is not available here")

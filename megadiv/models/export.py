@@ -13,7 +13,9 @@ unpadded, HF-named tensors on the model's device in the parameters' dtype. Per H
 
 1. the PP stage owning it all-gathers its TP shards in the TP group and undoes the fusion and the
    vocabulary padding (megadiv.models.sharding.unshard);
-2. that stage broadcasts each HF tensor to the other stages over the PP group.
+2. an expert's tensors (mixture-of-experts models) are held by one expert-parallel rank of that
+   stage, expert g by EP rank g // local_experts: it broadcasts them over the EP group;
+3. that stage broadcasts each HF tensor to the other stages over the PP group.
 
 A rank holds at most one bucket of gathered tensors (plus one parameter's TP shards while
 gathering); a single parameter larger than ``bucket_bytes`` forms a bucket of its own. Yielded
@@ -42,9 +44,13 @@ def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str,
     tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    local_experts = model.arch.num_experts // len(ep_ranks)
     tp = dist.get_world_size(tp_group)
     local = dict(megatron_params(model))
-    owner = _owner_stages(local, pp_group)
+    on_stage = _names_on_stage(local, ep_group)
+    owner = _owner_stages(on_stage, pp_group)
     dtype = model.config.params_dtype
     device = next(iter(local.values())).device
     element = dtype.itemsize
@@ -56,11 +62,15 @@ def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str,
             name = group[0].megatron_name
             if name not in owner:
                 raise RuntimeError(f"no pipeline stage holds {name}")
-            if name in local:  # this stage owns it: gather TP shards, undo fusion and padding
+            expert = group[0].expert
+            if name in local:  # this rank holds it: gather TP shards, undo fusion and padding
                 hf = _gather_unshard(local[name], group[0].rule.layout, tp, tp_group, model.arch)
                 tensors = [hf[t.index].to(dtype) for t in group]
             else:
                 tensors = [torch.empty(t.shape, dtype=dtype, device=device) for t in group]
+            if name in on_stage and expert is not None and len(ep_ranks) > 1:
+                for t in tensors:
+                    dist.broadcast(t, src=ep_ranks[expert // local_experts], group=ep_group)
             if len(pp_ranks) > 1:
                 for t in tensors:
                     dist.broadcast(t, src=pp_ranks[owner[name]], group=pp_group)
@@ -95,8 +105,9 @@ def hf_weight_views(model) -> list[tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state
 
     if (parallel_state.get_tensor_model_parallel_world_size() != 1
-            or parallel_state.get_pipeline_model_parallel_world_size() != 1):
-        raise ValueError("hf_weight_views needs the whole model on this rank (TP = PP = 1)")
+            or parallel_state.get_pipeline_model_parallel_world_size() != 1
+            or parallel_state.get_expert_model_parallel_world_size() != 1):
+        raise ValueError("hf_weight_views needs the whole model on this rank (TP = PP = EP = 1)")
     local = dict(megatron_params(model))
     out = []
     for name, group in groupby(plan(model.arch), key=lambda t: t.megatron_name):
@@ -106,11 +117,21 @@ def hf_weight_views(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _owner_stages(local: dict, pp_group) -> dict[str, int]:
+def _names_on_stage(local: dict, ep_group) -> set[str]:
+    """The names some rank of this pipeline stage's expert-parallel group holds: each rank's own
+    parameters plus the other EP ranks' experts (everything else is the same on all of them)."""
+    if dist.get_world_size(ep_group) == 1:
+        return set(local)
+    held = [None] * dist.get_world_size(ep_group)
+    dist.all_gather_object(held, sorted(local), group=ep_group)
+    return set().union(*held)
+
+
+def _owner_stages(on_stage: set[str], pp_group) -> dict[str, int]:
     """Canonical megatron name -> pipeline rank holding it (first holder: with tied embeddings
     the last stage also holds a copy of the embedding as output_layer.weight, never exported)."""
     held = [None] * dist.get_world_size(pp_group)
-    dist.all_gather_object(held, sorted(local), group=pp_group)
+    dist.all_gather_object(held, sorted(on_stage), group=pp_group)
     owner = {}
     for stage, names in enumerate(held):
         for name in names:

@@ -1,10 +1,17 @@
 """One declarative weight table per model family: Megatron name <-> Hugging Face names + layout.
 
 A :class:`Rule` says: the Megatron parameter ``megatron`` (its dist-checkpoint name, i.e. the
-Transformer Engine spelling; ``{i}`` is the global layer index) is built from the HF tensors
-``hf`` (names with ``{i}``, each with its full shape in symbols) fused by ``layout``
-(megadiv.models.sharding). Shape symbols: V vocabulary, H hidden, F MLP width, D head width,
-Q = heads*D (query rows), KV = key/value heads*D.
+Transformer Engine spelling; ``{i}`` is the global layer index, ``{e}`` the global expert index)
+is built from the HF tensors ``hf`` (names with ``{i}`` and ``{e}``, each with its full shape in
+symbols) fused by ``layout`` (megadiv.models.sharding). Shape symbols: V vocabulary, H hidden,
+F MLP width, D head width, Q = heads*D (query rows), KV = key/value heads*D, E routed experts,
+M one expert's MLP width.
+
+Mixture-of-experts layers (megatron's MoELayer with SequentialMLP experts): the router is
+``mlp.router.weight`` [E, H] (HF ``mlp.gate.weight``), and expert g's MLP is
+``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2`` like a dense MLP's. Megatron numbers
+experts locally on each expert-parallel rank (``local_experts.0 ..``); megadiv's canonical names
+use the global index g = ep_rank * local_experts + i (megadiv.models.loading.megatron_params).
 
 Tables list the pre-layer rules, then the per-layer rules, then the post-layer rules: that is
 also the order in which the exporter yields tensors. Adding a family = one table + one entry in
@@ -41,13 +48,27 @@ class Rule:
     def per_layer(self) -> bool:
         return "{i}" in self.megatron
 
-    def hf_names(self, layer: int | None = None) -> list[str]:
-        return [n.format(i=layer) for n, _ in self.hf]
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.megatron
+
+    def megatron_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return self.megatron.format(i=layer, e=expert)
+
+    def hf_names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        return [n.format(i=layer, e=expert) for n, _ in self.hf]
 
     def hf_shapes(self, arch: ArchSpec) -> list[tuple[int, ...]]:
         sizes = {"V": arch.vocab_size, "H": arch.hidden_size, "F": arch.ffn_hidden_size, "D": arch.head_dim,
-                 "Q": arch.num_attention_heads * arch.head_dim, "KV": arch.num_query_groups * arch.head_dim}
+                 "Q": arch.num_attention_heads * arch.head_dim, "KV": arch.num_query_groups * arch.head_dim,
+                 "E": arch.num_experts, "M": arch.moe_ffn_hidden_size}
         return [tuple(sizes[s] for s in shape) for _, shape in self.hf]
+
+    def instances(self, arch: ArchSpec) -> list[tuple[int | None, int | None]]:
+        """(layer, expert) of every Megatron tensor this rule makes, in export order."""
+        layers = range(arch.num_layers) if self.per_layer else [None]
+        experts = range(arch.num_experts) if self.per_expert else [None]
+        return [(i, e) for i in layers for e in experts]
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,8 @@ class Family:
     qk_layernorm: bool
     """RMSNorm over each head's queries and keys before RoPE (Qwen3)."""
     rules: tuple[Rule, ...]
+    moe: bool = False
+    """Every layer's MLP is a mixture of routed experts (no shared expert)."""
 
     def rules_for(self, arch: ArchSpec) -> tuple[Rule, ...]:
         """The rules of this checkpoint: with tied embeddings the output layer is a copy of the
@@ -97,6 +120,13 @@ _FC1 = Rule(_layer("mlp.linear_fc1.weight"), Layout.GATE_UP, (
     (_hf_layer("mlp.gate_proj.weight"), ("F", "H")),
     (_hf_layer("mlp.up_proj.weight"), ("F", "H"))))
 _FC2 = Rule(_layer("mlp.linear_fc2.weight"), Layout.ROW, ((_hf_layer("mlp.down_proj.weight"), ("H", "F")),))
+_ROUTER = Rule(_layer("mlp.router.weight"), Layout.REPLICATED, ((_hf_layer("mlp.gate.weight"), ("E", "H")),))
+_EXPERT = "mlp.experts.local_experts.{e}."
+_EXPERT_FC1 = Rule(_layer(_EXPERT + "linear_fc1.weight"), Layout.GATE_UP, (
+    (_hf_layer("mlp.experts.{e}.gate_proj.weight"), ("M", "H")),
+    (_hf_layer("mlp.experts.{e}.up_proj.weight"), ("M", "H"))))
+_EXPERT_FC2 = Rule(_layer(_EXPERT + "linear_fc2.weight"), Layout.ROW,
+                   ((_hf_layer("mlp.experts.{e}.down_proj.weight"), ("H", "M")),))
 _FINAL_NORM = Rule("decoder.final_layernorm.weight", Layout.REPLICATED, (("model.norm.weight", ("H",)),))
 _LM_HEAD = Rule("output_layer.weight", Layout.VOCAB, (("lm_head.weight", ("V", "H")),))
 
@@ -106,9 +136,15 @@ QWEN2 = Family("qwen2", qkv_bias=True, qk_layernorm=False, rules=(
     _EMBED, _INPUT_NORM, _QKV, _QKV_BIAS, _O_PROJ, _POST_NORM, _FC1, _FC2, _FINAL_NORM, _LM_HEAD))
 QWEN3 = Family("qwen3", qkv_bias=False, qk_layernorm=True, rules=(
     _EMBED, _INPUT_NORM, _QKV, _Q_NORM, _K_NORM, _O_PROJ, _POST_NORM, _FC1, _FC2, _FINAL_NORM, _LM_HEAD))
+# Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention, every MLP routed, no shared expert.
+# The post-attention norm keeps the dense name: the local spec maps pre_mlp_layernorm to
+# mlp.linear_fc1.layer_norm_ whatever the MLP is.
+QWEN3_MOE = Family("qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=True, rules=(
+    _EMBED, _INPUT_NORM, _QKV, _Q_NORM, _K_NORM, _O_PROJ, _POST_NORM, _ROUTER, _EXPERT_FC1, _EXPERT_FC2,
+    _FINAL_NORM, _LM_HEAD))
 
 # HF model_type -> family (Qwen2.5 checkpoints say "qwen2")
-FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 
 @dataclass(frozen=True)
@@ -121,24 +157,29 @@ class PlannedTensor:
     layer: int | None
     index: int
     """Position among the rule's fused inputs (0 for q, 1 for k, ...)."""
+    expert: int | None = None
+    """Global expert index of an expert tensor."""
 
     @property
     def megatron_name(self) -> str:
-        return self.rule.megatron.format(i=self.layer)
+        return self.rule.megatron_name(self.layer, self.expert)
 
 
 def plan(arch: ArchSpec) -> list[PlannedTensor]:
-    """Every HF tensor of the checkpoint, in export order: pre-layer rules, each layer's rules,
-    post-layer rules. Computed from the config alone, identically on every rank."""
+    """Every HF tensor of the checkpoint, in export order: pre-layer rules, each layer's rules
+    (an expert rule once per expert), post-layer rules. Computed from the config alone,
+    identically on every rank."""
     rules = [r for r in FAMILIES[arch.family].rules_for(arch) if r.export]
     first_layer_rule = next(k for k, r in enumerate(rules) if r.per_layer)
     last_layer_rule = max(k for k, r in enumerate(rules) if r.per_layer)
-    ordered = [(r, None) for r in rules[:first_layer_rule]]
-    ordered += [(r, i) for i in range(arch.num_layers) for r in rules[first_layer_rule:last_layer_rule + 1]]
-    ordered += [(r, None) for r in rules[last_layer_rule + 1:]]
-    return [PlannedTensor(name, shape, rule, layer, k)
-            for rule, layer in ordered
-            for k, (name, shape) in enumerate(zip(rule.hf_names(layer), rule.hf_shapes(arch)))]
+    ordered = [(r, None, None) for r in rules[:first_layer_rule]]
+    for i in range(arch.num_layers):
+        for r in rules[first_layer_rule:last_layer_rule + 1]:
+            ordered += [(r, i, e) for e in (range(arch.num_experts) if r.per_expert else [None])]
+    ordered += [(r, None, None) for r in rules[last_layer_rule + 1:]]
+    return [PlannedTensor(name, shape, rule, layer, k, expert)
+            for rule, layer, expert in ordered
+            for k, (name, shape) in enumerate(zip(rule.hf_names(layer, expert), rule.hf_shapes(arch)))]
 
 
 # Llama 3.x RoPE scaling as megatron-core implements it
@@ -169,8 +210,9 @@ def arch_from_hf_config(cfg: dict) -> ArchSpec:
         refuse("attention_bias", f"{model_type} checkpoints have attention_bias={family.qkv_bias}")
     if cfg.get("use_sliding_window", False):
         refuse("use_sliding_window", "megatron's attention here is full causal")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        refuse("num_experts", "dense models only")
+    moe = _moe_fields(cfg, model_type) if family.moe else {}
+    if not family.moe and (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        refuse("num_experts", f"{model_type} is a dense family; mixture-of-experts checkpoints are qwen3_moe")
 
     theta, factor = _rope(cfg, model_type)
     heads = cfg["num_attention_heads"]
@@ -198,7 +240,28 @@ def arch_from_hf_config(cfg: dict) -> ArchSpec:
         # transformers defaults tie_word_embeddings to True when the key is absent
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         dtype=dtype,
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict, model_type: str) -> dict:
+    """The ArchSpec MoE fields of a Qwen3-MoE config; refuses layouts megadiv does not build (dense
+    layers between the MoE layers, shared experts)."""
+    # transformers 5.x writes num_local_experts (num_experts is an alias); released checkpoints num_experts
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        raise ConfigError(f"{model_type} config: num_experts is missing or 0")
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ConfigError(f"{model_type} config: decoder_sparse_step={cfg.get('decoder_sparse_step', 1)}, "
+                          f"mlp_only_layers={cfg.get('mlp_only_layers')} is not supported (megadiv builds every "
+                          f"layer as a MoE layer: decoder_sparse_step 1, no mlp_only_layers)")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{model_type} config: shared experts are not supported")
+    topk = cfg["num_experts_per_tok"]
+    if not 1 <= topk <= experts:
+        raise ConfigError(f"{model_type} config: num_experts_per_tok={topk} must be in 1..num_experts={experts}")
+    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def _rope(cfg: dict, model_type: str) -> tuple[float, float | None]:

@@ -15,7 +15,8 @@ from megadiv.config import ConfigError
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """The architecture of one dense decoder-only checkpoint, independent of parallelism."""
+    """The architecture of one decoder-only checkpoint (dense, or mixture-of-experts with
+    ``num_experts`` > 0), independent of parallelism."""
 
     family: str
     """Key into megadiv.models.families.FAMILIES (the HF ``model_type``)."""
@@ -37,6 +38,18 @@ class ArchSpec:
     tie_word_embeddings: bool
     dtype: str
     """Storage dtype of the checkpoint: float32, bfloat16 or float16."""
+    num_experts: int = 0
+    """Routed experts of every MoE layer; 0 for a dense model (then the three fields below are unused)."""
+    moe_router_topk: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int = 0
+    """MLP width of one expert (HF ``moe_intermediate_size``)."""
+    moe_norm_topk_prob: bool = False
+    """Whether the top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:

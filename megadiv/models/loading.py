@@ -37,13 +37,15 @@ def megatron_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
     are mapped through each layer's ``sharded_state_dict_keys_map`` (input_layernorm ->
     self_attention.linear_qkv.layer_norm_, the Transformer Engine spelling) and the local layer
     index is replaced by ``layer_number - 1`` (so PP stages, uneven splits and virtual stages all
-    name layers globally)."""
+    name layers globally); a MoE layer's local expert index i by the global one,
+    ``mlp.local_expert_indices[i]`` = ep_rank * local_experts + i."""
     for gpt in model.gpt_models:
         for name, p in gpt.named_parameters():
             if not name.startswith("decoder.layers."):
                 yield name, p
         for layer in gpt.decoder.layers:
             keys_map = layer.submodules_config.sharded_state_dict_keys_map
+            global_experts = getattr(layer.mlp, "local_expert_indices", None)
             for name, p in layer.named_parameters():
                 if p.numel() == 0:  # empty placeholders (Transformer Engine's absent biases) hold no weights
                     continue
@@ -51,16 +53,19 @@ def megatron_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
                     if name.startswith(old):
                         name = new + name[len(old):]
                         break
+                if global_experts is not None and name.startswith(_LOCAL_EXPERTS):
+                    local, rest = name[len(_LOCAL_EXPERTS):].split(".", 1)
+                    name = f"{_LOCAL_EXPERTS}{global_experts[int(local)]}.{rest}"
                 yield f"decoder.layers.{layer.layer_number - 1}.{name}", p
 
 
-def rule_index(model) -> dict[str, tuple[Rule, int | None]]:
-    """Canonical megatron name -> (rule, layer) for every parameter the family defines."""
-    index = {}
-    for rule in model.family.rules_for(model.arch):
-        for layer in range(model.arch.num_layers) if rule.per_layer else [None]:
-            index[rule.megatron.format(i=layer)] = (rule, layer)
-    return index
+_LOCAL_EXPERTS = "mlp.experts.local_experts."
+
+
+def rule_index(model) -> dict[str, tuple[Rule, int | None, int | None]]:
+    """Canonical megatron name -> (rule, layer, expert) for every parameter the family defines."""
+    return {rule.megatron_name(layer, expert): (rule, layer, expert)
+            for rule in model.family.rules_for(model.arch) for layer, expert in rule.instances(model.arch)}
 
 
 class SafetensorsCheckpoint:
@@ -135,15 +140,15 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
                 if name not in rules:
                     raise WeightMismatchError(f"megatron parameter {name} {list(param.shape)} has no entry in the "
                                               f"{model.family.name} weight table (megadiv/models/families.py)")
-                rule, layer = rules[name]
-                part = shard(rule.layout, [ckpt.slice(n) for n in rule.hf_names(layer)], rank, tp, model.arch,
+                rule, layer, expert = rules[name]
+                names = rule.hf_names(layer, expert)
+                part = shard(rule.layout, [ckpt.slice(n) for n in names], rank, tp, model.arch,
                              model.padded_vocab_size)
                 if tuple(part.shape) != tuple(param.shape):
-                    raise WeightMismatchError(f"{name}: shard built from {rule.hf_names(layer)} has shape "
+                    raise WeightMismatchError(f"{name}: shard built from {names} has shape "
                                               f"{list(part.shape)}, the megatron parameter {list(param.shape)}")
                 # NaN/Inf weights would train on as nan losses until sampling fails
                 if not torch.isfinite(part).all():
-                    names = rule.hf_names(layer)
                     raise WeightMismatchError(f"{Path(hf_dir) / ckpt.file_of[names[0]]}: tensor {', '.join(names)} "
                                               f"holds NaN or Inf values")
                 param.copy_(part)

@@ -11,9 +11,13 @@ anywhere changes the logits. The tokenizer is built with the ``tokenizers`` libr
 short built-in text); both carry ChatML special tokens and a chat template and load with
 ``AutoTokenizer.from_pretrained``.
 
-Families (TINY_FAMILIES): qwen2, qwen3 and llama have Megatron mappings
+Families (TINY_FAMILIES): qwen2, qwen3, llama and qwen3_moe have Megatron mappings
 (megadiv.models.families); mistral and olmo2 have none and train with ``model.backend:
-deepspeed`` only (docs/deepspeed.md).
+deepspeed`` only (docs/deepspeed.md). qwen3_moe (a Qwen3-MoE: --experts routed experts of width
+--ffn in every layer, --experts-per-token of them per token, top-k probabilities renormalised as
+in Qwen3-30B-A3B) is not yet one ``warm_start.make_model`` makes (docs/models.md, MoE).
+
+    megadiv make-tiny-model --family qwen3_moe --out ckpt/tiny-moe --experts 8 --experts-per-token 2
 """
 from __future__ import annotations
 
@@ -45,11 +49,15 @@ class TinyFamily:
 
     tied: bool
     """Default of tie_word_embeddings: what the family's released checkpoints do."""
-    config: Callable[[dict, float], dict] = field(default=lambda kwargs, llama3_rope_factor: {})
-    """(shared config kwargs, --llama3-rope-factor) -> the family's own config kwargs."""
+    config: Callable[[dict, dict], dict] = field(default=lambda kwargs, options: {})
+    """(shared config kwargs, family options: llama3_rope_factor, experts, experts_per_token) -> the
+    family's own config kwargs."""
+    warm_start: bool = True
+    """``megadiv train`` can make it (``warm_start.make_model``)."""
 
 
-def _llama3_rope(kwargs: dict, factor: float) -> dict:
+def _llama3_rope(kwargs: dict, options: dict) -> dict:
+    factor = options["llama3_rope_factor"]
     if not factor:
         return {}
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -58,10 +66,18 @@ def _llama3_rope(kwargs: dict, factor: float) -> dict:
     return {"rope_scaling": scaling, "max_position_embeddings": max(kwargs["max_position_embeddings"], int(8192 * factor))}
 
 
-def _mistral(kwargs: dict, _factor: float) -> dict:
+def _mistral(kwargs: dict, _options: dict) -> dict:
     # MistralConfig defaults head_dim to 128 whatever the width; Mistral 7B v0.2+ has no sliding window
     return {"head_dim": kwargs.get("head_dim") or kwargs["hidden_size"] // kwargs["num_attention_heads"],
             "sliding_window": None}
+
+
+def _qwen3_moe(kwargs: dict, options: dict) -> dict:
+    experts, topk = options["experts"], options["experts_per_token"]
+    if not 1 <= topk <= experts:
+        raise ValueError(f"--experts-per-token {topk} must be in 1..--experts {experts}")
+    return {"num_experts": experts, "num_experts_per_tok": topk, "moe_intermediate_size": kwargs["intermediate_size"],
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 TINY_FAMILIES: dict[str, TinyFamily] = {
@@ -71,6 +87,7 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # no Megatron mapping: DeepSpeed backend only
     "mistral": TinyFamily(tied=False, config=_mistral),
     "olmo2": TinyFamily(tied=False),  # post-norm blocks, RMSNorm over the whole q and k projections
+    "qwen3_moe": TinyFamily(tied=False, config=_qwen3_moe, warm_start=False),
 }
 FAMILIES = tuple(TINY_FAMILIES)
 
@@ -80,7 +97,7 @@ def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars
                     head_dim: int | None = None, ffn: int = 128, tied: bool | None = None,
                     rope_theta: float = 10000.0, llama3_rope_factor: float = 8.0, max_positions: int = 512,
                     init_std: float = 0.05, dtype: str = "float32", max_shard_size: str | None = None,
-                    seed: int = 0, replace: bool = False) -> Path:
+                    seed: int = 0, replace: bool = False, experts: int = 4, experts_per_token: int = 2) -> Path:
     """Write a random ``family`` checkpoint plus tokenizer to ``out`` (atomically) and return it.
     An existing ``out`` is an error (FileExistsError), or with ``replace`` is swapped for the new one."""
     import torch
@@ -104,7 +121,8 @@ def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    kwargs |= TINY_FAMILIES[family].config(kwargs, llama3_rope_factor)
+    options = {"llama3_rope_factor": llama3_rope_factor, "experts": experts, "experts_per_token": experts_per_token}
+    kwargs |= TINY_FAMILIES[family].config(kwargs, options)
     config = AutoConfig.for_model(family, rope_theta=rope_theta, **kwargs)
 
     torch.manual_seed(seed)
@@ -113,6 +131,8 @@ def make_tiny_model(out: str | Path, family: str, tokenizer: str = "char", chars
         for name, p in model.named_parameters():
             if "norm" in name:  # around 1, not exactly 1: a swapped norm must change the output
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # MoE router: HF starts it at zero (every expert tied)
+                p.copy_(init_std * torch.randn_like(p))
             elif name.endswith(".bias"):  # HF initialises biases to zero
                 p.copy_(init_std * torch.randn_like(p))
     model = model.to(getattr(torch, dtype))

@@ -5,7 +5,9 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; :func:`initialize` reads th
 default process group (NCCL on GPUs, gloo on CPU) with the config's timeout, and builds
 megatron-core's TP/PP/DP groups. A plain ``python`` process (no torchrun) runs as a world of
 one. Megatron's rank order is tp-cp-ep-dp-pp: TP ranks are adjacent, so a TP group stays on one
-node whenever TP divides the GPUs per node.
+node whenever TP divides the GPUs per node. Expert-parallel groups (mixture-of-experts models) are
+cut from the data-parallel ranks: with TP=1, ranks r and r+1 hold different experts when EP=2, and
+an expert's gradients are reduced over its expert-data-parallel group (DP / EP ranks) only.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ class ParallelInfo:
     dp_rank: int
     dp_size: int
     device: torch.device
+    ep_rank: int = 0
+    ep_size: int = 1
+    """Expert-parallel position and size (mixture-of-experts models; ranks within the DP ranks)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -96,6 +101,8 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
         tensor_model_parallel_size=cfg.tensor_parallel,
         pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
+        # experts split over EP ranks taken from the data-parallel ranks; expert TP = TP
+        expert_model_parallel_size=cfg.expert_parallel,
         distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
     )
     torch.manual_seed(seed)
@@ -108,6 +115,7 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(), pp_size=cfg.pipeline_parallel,
         dp_rank=parallel_state.get_data_parallel_rank(), dp_size=parallel_state.get_data_parallel_world_size(),
         device=device,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=cfg.expert_parallel,
     )
     return _INFO
 

@@ -231,6 +231,10 @@ class TrainConfig:
                               f"or examples/hf_configs/<name>/config.json for a model directory named <name>)")
         self._check_backend()
         if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
+            if self.parallel.expert_parallel > 1:
+                raise ConfigError(f"parallel.expert_parallel={self.parallel.expert_parallel}: megadiv train does not "
+                                  f"train mixture-of-experts models yet (their weight sync, checkpoints and export "
+                                  f"over expert-parallel ranks are not wired through the trainer; docs/models.md)")
             if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
                 raise ConfigError(f"warm_start.make_model={self.warm_start.make_model}: megadiv has no Megatron mapping "
                                   f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
@@ -278,6 +282,7 @@ class TrainConfig:
                          "parallel.virtual_pipeline": (p.virtual_pipeline, None),
                          "parallel.stage_layers": (p.stage_layers, None),
                          "parallel.sequence_parallel": (p.sequence_parallel, False),
+                         "parallel.expert_parallel": (p.expert_parallel, 1),
                          "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
                          "model.recompute_granularity": (m.recompute_granularity, "none"),
                          "optim.distributed_optimizer": (self.optim.distributed_optimizer, None)}

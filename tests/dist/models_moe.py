@@ -1,0 +1,179 @@
+"""Rank bodies for tests/test_models_moe.py: the Qwen3-MoE family against transformers, and
+expert parallelism (EP=2) against EP=1.
+
+``ctx.args``: {"models": {name: hf_dir}, "tmp": scratch dir shared by the ranks}. Each body
+returns a dict of named figures for the tests to assert on.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.dist.models import (SEQ, _error, _export, _hf_logits, _hf_tensors, _megatron_logits, _same_tensors,
+                               _shared_tmp, _tokens)
+
+
+def _layout(ep: int, pp: int = 1):
+    """(Re)build megatron's parallel state with TP = 1, ``pp`` stages and ``ep`` expert-parallel ranks."""
+    from megadiv.config import ParallelConfig
+    from megadiv.parallel import initialize, shutdown
+
+    shutdown(keep_default_group=True)
+    return initialize(ParallelConfig(pipeline_parallel=pp, expert_parallel=ep))
+
+
+def _token_log_probs(chunk, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) for every position: [b, s-1]."""
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    logits = chunk(tokens, positions, attention_mask=None)[..., :vocab]  # [b, s, V] (padding columns dropped)
+    return logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def one_rank(ctx) -> dict:
+    """EP=1: logits against transformers, bit-exact export and HF tensor views, and the
+    HF -> megatron -> HF round trip through ``megadiv convert``."""
+    from megadiv.cli import main
+    from megadiv.models import build_model
+    from megadiv.models.export import hf_weight_views
+
+    _layout(1)
+    hf_dir = ctx.args["models"]["moe"]
+    results: dict = {}
+    model = build_model(hf_dir, role="reference")
+    tokens = _tokens(model.vocab_size)
+    with torch.no_grad():
+        logits = model.chunks[0](tokens, torch.arange(tokens.shape[1]).unsqueeze(0), attention_mask=None)
+    results["logit_diff"] = _max_diff(logits[..., :model.vocab_size], _hf_logits(hf_dir, tokens))
+    results["padding_logit_max"] = float(logits[..., model.vocab_size:].abs().max())
+    hf = _hf_tensors(hf_dir)
+    exported, results["buckets"] = _export(model, 16 << 10)
+    results["export_exact"] = _same_tensors(exported, hf)
+    results["views_exact"] = _same_tensors(dict(hf_weight_views(model)), hf)
+    results["expert_tensors"] = sum(".mlp.experts." in n for n in hf)
+
+    tmp = _shared_tmp(ctx, "convert")
+    mcore, hf_out = tmp / "mcore", tmp / "hf"
+    results["cli_rc"] = (main(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--out", str(mcore)]),
+                         main(["convert", "megatron-to-hf", "--ckpt-dir", str(mcore), "--hf-template", hf_dir,
+                               "--out", str(hf_out), "--shard-size", "64KB"]))
+    results["roundtrip_exact"] = _same_tensors(_hf_tensors(str(hf_out)), hf)
+    return results
+
+
+def _ep2_vs_ep1(ctx, hf_dir: str, results: dict):
+    """Every rank trains its own sequence at EP=2 (world = DP ranks, each holding E/2 experts)
+    against an EP=1 reference that runs all the world's sequences on each rank: per-token
+    log-probs, and every gradient after megatron's DDP reduction (dense over DP, experts over
+    their expert-data-parallel group only). Returns (EP=2 model, tokens, EP=1 logits)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megadiv.models import build_model
+    from megadiv.models.loading import megatron_params
+
+    # sum of token log-probs: megatron's per-token-loss mode leaves DDP's sums unscaled, so the
+    # EP=2 gradients are those of the loss summed over all ranks' sequences
+    overrides = {"calculate_per_token_loss": True}
+
+    # EP=1 reference on every rank: all sequences, plain autograd
+    world = _layout(1).world_size
+    reference = build_model(hf_dir, role="actor", config_overrides=overrides)
+    tokens = torch.randint(0, reference.vocab_size, (world, SEQ), generator=torch.Generator().manual_seed(0))
+    ref_logp = _token_log_probs(reference.chunks[0], tokens, reference.vocab_size)  # [world, s-1]
+    ref_logp.sum().backward()
+    ref_grads = {name: p.grad.clone() for name, p in megatron_params(reference)}
+    with torch.no_grad():
+        ref_logits = reference.chunks[0](tokens, torch.arange(SEQ).unsqueeze(0), attention_mask=None)
+
+    info = _layout(2)
+    results["ep_rank"], results["dp_size"] = info.ep_rank, info.dp_size
+    results["expert_dp_size"] = parallel_state.get_expert_data_parallel_world_size()
+    actor = build_model(hf_dir, role="actor", config_overrides=overrides)
+    names = [name for name, _ in megatron_params(actor)]
+    results["experts_held"] = sorted({int(n.split(".mlp.experts.local_experts.")[1].split(".")[0])
+                                      for n in names if ".local_experts." in n})
+    ddp = DistributedDataParallel(
+        config=actor.config, module=actor.chunks[0],
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
+                                                 average_in_collective=False))
+    mine = tokens[ctx.rank:ctx.rank + 1]
+    logp = _token_log_probs(ddp, mine, actor.vocab_size)  # [1, s-1]
+    results["logp_diff"] = _max_diff(logp, ref_logp[ctx.rank:ctx.rank + 1])
+    logp.sum().backward()
+    ddp.finish_grad_sync()
+    grads = dict((name, p.main_grad) for name, p in megatron_params(actor))
+    results["grad_names_match"] = set(grads) <= set(ref_grads) and len(grads) == len(names)
+    # per tensor: max |g - g_ref| / max |g_ref| (in float32 ulps of the tensor's largest entry)
+    rel = {n: _max_diff(grads[n], ref_grads[n]) / float(ref_grads[n].abs().max()) / 1.19e-7 for n in grads}
+    expert = [n for n in grads if ".local_experts." in n]
+    results["expert_grad_ulps"] = max(rel[n] for n in expert)
+    results["dense_grad_ulps"] = max(rel[n] for n in grads if n not in expert)
+    results["router_grad_ulps"] = max(rel[n] for n in grads if n.endswith("router.weight"))
+    results["experts_without_grad"] = sorted(n for n in expert if not grads[n].any())
+    return actor, tokens, ref_logits
+
+
+def two_ranks(ctx) -> dict:
+    """EP=2 on 2 ranks (expert-data-parallel size 1) against EP=1 (_ep2_vs_ep1); export gathered
+    over EP; a checkpoint written at EP=2 loaded at EP=1; the refusals; PP=2 logits and export."""
+    from megadiv.models import build_model, load_megatron_checkpoint, save_megatron_checkpoint
+
+    hf_dir = ctx.args["models"]["moe"]
+    results: dict = {}
+    actor, tokens, ref_logits = _ep2_vs_ep1(ctx, hf_dir, results)
+
+    # export at EP=2: every rank yields every expert, gathered over the EP group
+    exported, _ = _export(actor, 16 << 10)
+    results["export_exact"] = _same_tensors(exported, _hf_tensors(hf_dir))
+
+    # a checkpoint written at EP=2 reloads at EP=1 with the same logits as built from HF
+    tmp = _shared_tmp(ctx, "ep2-ckpt")
+    save_megatron_checkpoint(actor, tmp / "ckpt")
+    _layout(1)
+    resharded = build_model(hf_dir, role="reference", load_weights=False)
+    load_megatron_checkpoint(resharded, tmp / "ckpt")
+    with torch.no_grad():
+        logits = resharded.chunks[0](tokens, torch.arange(SEQ).unsqueeze(0), attention_mask=None)
+    results["ep2_to_ep1_bitwise"] = bool(torch.equal(logits, ref_logits))
+
+    # refusals, before any group or model is built
+    from megadiv.config import ParallelConfig
+
+    results["error/ep_world"] = _error(lambda: ParallelConfig(expert_parallel=4).data_parallel_size(2))
+    _layout(2)
+    results["error/ep_experts"] = _error(lambda: build_model(ctx.args["models"]["moe3"], role="reference"))
+    results["error/ep_dense"] = _error(lambda: build_model(ctx.args["models"]["dense"], role="reference"))
+
+    # PP=2 (one MoE layer per stage) through megatron's pipeline schedule: logits and export
+    _layout(1, pp=2)
+    staged = build_model(hf_dir, role="reference")
+    logits = _megatron_logits(staged, tokens)
+    if logits is not None:
+        results["pp2_logit_diff"] = _max_diff(logits[..., :staged.vocab_size], _hf_logits(hf_dir, tokens))
+    results["pp2_export_exact"] = _same_tensors(_export(staged, 16 << 10)[0], _hf_tensors(hf_dir))
+    dist.barrier()
+    return results
+
+
+def four_ranks(ctx) -> dict:
+    """DP=4 x EP=2 (expert-data-parallel size 2: each expert on two ranks, its gradients reduced
+    over those two) against EP=1 (_ep2_vs_ep1)."""
+    results: dict = {}
+    _ep2_vs_ep1(ctx, ctx.args["models"]["moe"], results)
+    return results
+
+
+def make_moe_models(root) -> dict[str, str]:
+    """The tiny checkpoints (float32, random): ``moe`` a 2-layer Qwen3-MoE with 8 experts of width
+    32, top-2 with renormalised probabilities, head_dim 16, untied; ``moe3`` the same with 3
+    experts (EP=2 must be refused); ``dense`` a qwen3 (EP needs experts)."""
+    from megadiv.models.tiny import make_tiny_model
+
+    specs = {"moe": dict(family="qwen3_moe", head_dim=16, ffn=32, experts=8, experts_per_token=2),
+             "moe3": dict(family="qwen3_moe", head_dim=16, ffn=32, experts=3, experts_per_token=2),
+             "dense": dict(family="qwen3")}
+    return {name: str(make_tiny_model(root / name, **spec)) for name, spec in specs.items()}
