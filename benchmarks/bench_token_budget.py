@@ -8,10 +8,13 @@ One process (a world of one, gloo), a random Qwen2 checkpoint (megadiv make-tiny
 --max-response, drawn two ways: uniformly, and log-uniformly (most responses short, a long tail,
 as in RL rollouts). Per batch, both paths train the same rows from the same weights:
 
-- padded: micro-batches of --micro-batch-size rows, every row padded to the batch's longest;
+- padded: micro-batches of --micro-batch-size rows in batch order, every row padded to the
+  batch's longest (``group_by_length=False``: what the interleaved schedule runs, and the only
+  path before rows were grouped by default);
 - token budget: ``max_tokens_per_micro_batch`` = --micro-batch-size x the longest row (the padded
   path's micro-batch size in tokens, so the peak activation memory is the same), rows sorted by
-  length, each micro-batch padded to its own longest row.
+  length, each micro-batch padded to its own longest row. With this budget the groups are runs of
+  --micro-batch-size sorted rows: exactly what the default (no budget) now feeds.
 
 A timed step is ``Policy.train_step`` (forward, backward, optimizer step) after one warm-up step,
 median of --repeats, the two paths alternating. Trained tokens = the rows' real tokens (prompt +
@@ -99,8 +102,9 @@ def main() -> None:
         budget = args.micro_batch_size * longest_row
         actors = {path: Policy(ModelConfig(hf_dir=str(hf_dir)), ParallelConfig(), "actor",
                                OptimConfig(optimizer="sgd", lr=1e-4, clip_grad=1.0), total_steps=1,
-                               max_tokens_per_micro_batch=tokens)
-                  for path, tokens in (("padded", None), ("budget", budget))}
+                               **micro)
+                  for path, micro in (("padded", dict(group_by_length=False)),
+                                      ("budget", dict(max_tokens_per_micro_batch=budget)))}
         loss = grpo_objective(PolicyLossConfig())
         print(f"model hidden {args.hidden} x {args.layers} layers, ffn {args.ffn}, vocab {args.vocab}; "
               f"{args.rows} rows of {args.prompt_tokens} prompt + {args.max_response // 10}..{args.max_response} "

@@ -1,5 +1,6 @@
 """Token-budget micro-batches (grpo.max_tokens_per_micro_batch): the grouping, the config checks,
-and training equal to the padded path at TP=1, TP=2, PP=2 and DP=2."""
+and training equal to the padded path at TP=1, TP=2, PP=2 and DP=2, for the budget and for the
+default (rows grouped by length, micro_batch_size each)."""
 from __future__ import annotations
 
 import math
@@ -133,11 +134,13 @@ METRIC_TOL = dict(rel=1e-5, abs=1e-7)
 WEIGHT_ATOL, LOGP_ATOL = 1e-6, 1e-5
 
 
-def test_token_budget_trains_like_the_padded_path(layout):
+@pytest.mark.parametrize("path", ["grouped", "budget"])
+def test_length_grouped_micro_batches_train_like_the_padded_path(layout, path):
     """For every loss aggregation (and a full-vocabulary regulariser at PP=1): two SGD steps from the
-    same weights, padded (2 rows per micro-batch, all at the batch's width) and under the token
-    budget: the same losses, KL, entropy, gradient norms, weights after the steps, and reference,
-    old and updated log-probs in the batch's row order, on every rank."""
+    same weights, padded (2 rows per micro-batch in batch order, all at the batch's width) and
+    grouped by length, 2 rows each (the default) or under the token budget: the same losses, KL,
+    entropy, gradient norms, weights after the steps, and reference, old and updated log-probs in
+    the batch's row order, on every rank."""
     name, results = layout
     tp, pp, nproc, _ = LAYOUTS[name]
     worst = {"metric_rel": 0.0, "weight_abs": 0.0, "logp_abs": 0.0}  # printed with -s: the observed figures
@@ -146,7 +149,7 @@ def test_token_budget_trains_like_the_padded_path(layout):
         runs = [k for k in r if isinstance(k, tuple)]
         assert len(runs) == len(AGGREGATIONS) + (pp == 1)
         for run in runs:
-            padded, budget = r[run]["padded"], r[run]["budget"]
+            padded, budget = r[run]["padded"], r[run][path]
             for step, (p, b) in enumerate(zip(padded["steps"], budget["steps"], strict=True)):
                 assert p["skipped"] == b["skipped"] == 0.0
                 for key in ("loss/total", "loss/policy", "loss/kl", "grad_norm", "entropy", "clip/frac_low",
@@ -169,7 +172,7 @@ def test_token_budget_trains_like_the_padded_path(layout):
                 torch.testing.assert_close(budget[key][predicts], padded[key][predicts], rtol=0, atol=LOGP_ATOL,
                                            msg=lambda m, rank=rank, run=run, key=key: f"{name} rank {rank} {run} {key}: {m}")
                 worst["logp_abs"] = max(worst["logp_abs"], float((budget[key] - padded[key])[predicts].abs().max()))
-    print(f"\n{name}: budget vs padded, largest differences {worst}; micro-batches per rank "
+    print(f"\n{name}: {path} vs padded, largest differences {worst}; micro-batches per rank "
           f"{[r['micro_batches'] for r in results]}")
 
 

@@ -8,9 +8,11 @@ Sequences are [B, S] token rows (prompt + response, right-padded). Position t of
 token t+1, so every per-token tensor is [B, S] aligned with the *predicting* position:
 ``loss_mask[b, t] = 1`` when ``tokens[b, t+1]`` is a response token.
 
-Micro-batches: ``micro_batch_size`` rows each, all padded to the batch's longest row, or, with a
-token budget (``max_tokens_per_micro_batch``), rows grouped by length and each micro-batch fed
-at its own longest row, or packed without padding (THD, Transformer Engine): batches.py.
+Micro-batches: rows grouped by length (longest first), each micro-batch fed at its own longest
+row: ``micro_batch_size`` rows each by default (as many micro-batches, and no more memory, than
+rows in batch order all padded to the batch's longest row, which the interleaved schedule keeps),
+or as many as a token budget (``max_tokens_per_micro_batch``) holds, or packed without padding
+(THD, Transformer Engine): batches.py. The losses are the same whichever way the rows are cut.
 
 Logits only where a loss reads them: the last stage applies the output layer to the positions that
 predict response tokens alone (megadiv.models.output), and log-probs, entropy and full-vocabulary
@@ -58,7 +60,9 @@ class Policy:
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
                  temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
-                 pack_sequences: bool = False):
+                 pack_sequences: bool = False, group_by_length: bool = True):
+        """``group_by_length=False``: micro-batches of ``micro_batch_size`` rows in batch order at
+        the batch's width (what the interleaved schedule runs; the tests' padded reference)."""
         from megatron.core import parallel_state
 
         self.role = role
@@ -67,8 +71,11 @@ class Policy:
         self.max_tokens, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
         if pack_sequences and max_tokens_per_micro_batch is None:
             raise ValueError("pack_sequences needs max_tokens_per_micro_batch")
+        # the interleaved schedule needs micro-batches of one shape (interleaved_rows)
+        self.group_by_length = max_tokens_per_micro_batch is not None or (
+            group_by_length and parallel_cfg.virtual_pipeline is None)
         overrides = {"calculate_per_token_loss": True}
-        if max_tokens_per_micro_batch is not None and parallel_cfg.pipeline_parallel > 1:
+        if self.group_by_length and parallel_cfg.pipeline_parallel > 1:
             # micro-batches of different shapes: the pipeline stages send each other the shape first.
             # (megatron refuses that flag with its default MoE token dispatcher, even in a dense model)
             overrides |= {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
@@ -131,16 +138,19 @@ class Policy:
                        ) -> tuple[list[SequenceBatch], list[ModelInput], torch.Tensor | None]:
         """``batch``'s micro-batches (on the model's device), what the model reads for each, and
         the row order they hold (None: the batch order). Fixed: ``micro_batch_size`` rows each,
-        all at the batch's width. Token budget: see SequenceBatch.by_token_budget, each at its own
-        width (padded) or packed; ``micro_batch_size`` caps the rows."""
-        if self.max_tokens is None:
-            width = round_up(batch.tokens.shape[1], self.seq_multiple)
+        all at the batch's width. Grouped by length: see SequenceBatch.by_token_budget, each at its
+        own width (padded) or packed; ``micro_batch_size`` caps the rows."""
+        width = round_up(batch.tokens.shape[1], self.seq_multiple)
+        if not self.group_by_length:
             if self.interleave_stages is not None:
                 # fixed-width micro-batches sum the same per-token terms however the rows are grouped
                 micro_batch_size = interleaved_rows(len(batch), micro_batch_size, self.interleave_stages)
             micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
             return micro, [ModelInput.padded(mb, width) for mb in micro], None
-        parts, order = batch.by_token_budget(self.max_tokens, micro_batch_size, self.seq_multiple)
+        # without a budget, the fixed micro-batches' own size: runs of micro_batch_size sorted rows
+        # (rows x their longest <= micro_batch_size x the batch's width always holds)
+        budget = self.max_tokens or micro_batch_size * width
+        parts, order = batch.by_token_budget(budget, micro_batch_size, self.seq_multiple)
         micro = [mb.to(self.device) for mb in parts]
         if self.pack_sequences:
             inputs = [ModelInput.packed(mb, self.seq_multiple) for mb in micro]

@@ -55,8 +55,10 @@ class GRPOConfig:
     """Token budget per micro-batch (verl's dynamic batch size): each mini-batch's rows, sorted by
     length, are grouped into micro-batches of at most this many padded tokens (rows x longest row),
     each padded only to its own longest row; losses are unchanged. None: micro_batch_size rows
-    each, all padded to the batch's longest row. At least rollout.max_new_tokens + 1; a row longer
-    than the budget (a long prompt) forms a micro-batch alone."""
+    each, grouped by length the same way (no more micro-batches and no more memory than rows in
+    batch order padded to the batch's longest, which parallel.virtual_pipeline keeps). At least
+    rollout.max_new_tokens + 1; a row longer than the budget (a long prompt) forms a micro-batch
+    alone."""
     pack_sequences: bool = False
     """With a token budget: feed each micro-batch's rows concatenated, without padding (THD layout,
     Transformer Engine attention with packed_seq_params; needs TE on a GPU)."""

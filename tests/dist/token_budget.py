@@ -45,8 +45,9 @@ def _one_step(actor: Policy, reference: Policy, batch: SequenceBatch, loss: Poli
 
 def budget_vs_padded(ctx):
     """For every loss aggregation (and a full-vocabulary regulariser at PP=1): two steps from the
-    same weights on this replica's rows, padded (micro_batch_size 2, every row at the batch's
-    width) and under the token budget (rows longest first, each micro-batch at its own width)."""
+    same weights on this replica's rows, padded (micro_batch_size 2 in batch order, every row at
+    the batch's width), grouped by length (the default: 2 rows each, longest first, each
+    micro-batch at its own width) and under the token budget (as many rows as it holds)."""
     a = ctx.args
     parallel = ParallelConfig(tensor_parallel=a["tp"], pipeline_parallel=a["pp"], stage_layers=a.get("stage_layers"))
     info = initialize(parallel, seed=1)
@@ -54,8 +55,8 @@ def budget_vs_padded(ctx):
     per = len(RESPONSE_LENGTHS) // info.dp_size
     batch = skewed_batch().rows(slice(info.dp_rank * per, (info.dp_rank + 1) * per))
     optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)  # clipped: seq-mean-token-sum losses are large
-    references = {path: Policy(model, parallel, "reference", temperature=0.7, max_tokens_per_micro_batch=budget)
-                  for path, budget in (("padded", None), ("budget", BUDGET))}
+    paths = {"padded": dict(group_by_length=False), "grouped": {}, "budget": dict(max_tokens_per_micro_batch=BUDGET)}
+    references = {path: Policy(model, parallel, "reference", temperature=0.7, **micro) for path, micro in paths.items()}
     runs = [(agg, None) for agg in AGGREGATIONS] + ([("token-mean", "full_prob_l2")] if a["pp"] == 1 else [])
     out = {"dp_size": info.dp_size, "lengths": row_lengths(batch.loss_mask).tolist(),
            "micro_batches": len(batch.by_token_budget(BUDGET, ROW_CAP)[0])}
@@ -69,9 +70,9 @@ def budget_vs_padded(ctx):
                                 regularizer_coef=0.5 if regularizer else 0.0)
         vocab_div = DIVERGENCES[regularizer](consume_base=True) if regularizer else None
         out[(agg, regularizer)] = {
-            path: _one_step(Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7,
-                                   max_tokens_per_micro_batch=budget), references[path], batch, loss, vocab_div)
-            for path, budget in (("padded", None), ("budget", BUDGET))}
+            path: _one_step(Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7, **micro),
+                            references[path], batch, loss, vocab_div)
+            for path, micro in paths.items()}
     return out
 
 
@@ -87,8 +88,8 @@ def packed_vs_padded_on_gpu(ctx):
     optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)
     batch = skewed_batch()
     out = {"lengths": row_lengths(batch.loss_mask).tolist()}
-    for path, budget, pack in (("padded", None, False), ("budget", BUDGET, False), ("packed", BUDGET, True)):
-        micro = dict(max_tokens_per_micro_batch=budget, pack_sequences=pack)
+    for path, micro in (("padded", dict(group_by_length=False)), ("budget", dict(max_tokens_per_micro_batch=BUDGET)),
+                        ("packed", dict(max_tokens_per_micro_batch=BUDGET, pack_sequences=True))):
         reference = Policy(model, parallel, "reference", temperature=0.7, **micro)
         actor = Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7, **micro)
         result = _one_step(actor, reference, batch, loss, None)
