@@ -80,9 +80,9 @@ class RolloutDriver:
 
     def start_batch(self, step: int) -> None:
         """Generate batch ``step`` on the weights served now, in the background, and publish each
-        replica's rows (or the error, which every waiting rank raises)."""
-        if self._job is not None and not self._job.done():
-            raise RuntimeError(f"batch {step} requested while another batch is being generated")
+        replica's rows (or the error, which every waiting rank raises). With grpo.overlap the ranks
+        ask for it as soon as the previous batch is published, while that job may still be releasing
+        the generation ranks: it queues behind it on the one generation thread."""
         self._job = self._batches.submit(self._publish, step)
 
     def _publish(self, step: int) -> None:
