@@ -127,7 +127,7 @@ def _hosts_rendezvous(node: subprocess.Popen, port: int) -> bool:
 @pytest.mark.slow
 def test_a_two_node_run_survives_a_killed_node(tmp_path):
     """The two-node run of 3 steps, a checkpoint after each, and the same run with the launcher
-    that does not host the rendezvous SIGKILLed with every process below it (agent, rank, writer)
+    that does not host the rendezvous (group rank 1) SIGKILLed with every process below it (agent, rank, writer)
     once step 1's checkpoint is sealed, and a replacement launcher started as a scheduler would:
     the surviving launcher restarts its rank (torchrun --max-restarts), both ranks resume from the
     newest intact checkpoint, and the run ends with the uninterrupted run's final weights."""
@@ -138,17 +138,27 @@ def test_a_two_node_run_survives_a_killed_node(tmp_path):
 
     faulty = tmp_path / "faulty"
     cmd, env = _node_command(faulty, *steps)
-    nodes = [_start_node(cmd, env) for _ in range(2)]
+    port = int(env["PORT"])
+    # The survivor hosts the rendezvous (losing the host ends the job) and is group rank 0 before
+    # and after the restart: started first, it has the lower pid, by which torch orders the ranks.
+    # That is the case that hung until multinode.sh set TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    # (docs/scaling.md, Faults).
+    survivor = _start_node(cmd, env)
+    deadline = time.monotonic() + 300
+    while not _hosts_rendezvous(survivor, port):
+        if survivor.poll() is not None or time.monotonic() > deadline:
+            pytest.fail("the first launcher never served the rendezvous: " + _kill_node(survivor)[-3000:])
+        time.sleep(0.2)
+    victim = _start_node(cmd, env)
+    nodes = [survivor, victim]
     sealed = faulty / "checkpoints" / "step_000001" / "manifest.json"
     deadline = time.monotonic() + 900
     while not sealed.exists():
         if any(n.poll() is not None for n in nodes) or time.monotonic() > deadline:
             pytest.fail(f"{sealed} never appeared: " + " / ".join(_kill_node(n)[-3000:] for n in nodes))
         time.sleep(0.2)
-    port = int(env["PORT"])
-    victim = next(n for n in nodes if not _hosts_rendezvous(n, port))
-    survivor = next(n for n in nodes if n is not victim)
     (first_rank,) = psutil.Process(survivor.pid).children()
+    assert first_rank.environ()["GROUP_RANK"] == "0"
     _kill_node(victim)  # the node is lost
     # the replacement comes once the survivor's rank has failed (its agent then rendezvouses anew)
     psutil.wait_procs([first_rank], timeout=300)

@@ -14,6 +14,12 @@
 # records, torchrun's read_timeout, 60 s by default, which a slow node's restart can pass). Node 0 hosts the rendezvous: the job ends with it.
 set -euo pipefail
 : "${MASTER:?set MASTER to the address of node 0}" "${NNODES:?set NNODES to the number of nodes}"
+# Rank 0's agent publishes the ranks' MASTER_ADDR/PORT anew in every rendezvous round. With the
+# rendezvous store shared with the ranks (torch's default), an agent keeps the first round's
+# address: one that was group rank 0 and is again never publishes it for the new round, and a
+# replacement node waits for it until read_timeout (seen: tests/test_launch.py's killed-node run
+# hung whenever the surviving launcher had been rank 0).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec "${PYTHON:-python3}" -m torch.distributed.run --nnodes "${MIN_NODES:-$NNODES}:$NNODES" \
     --nproc_per_node "${GPUS_PER_NODE:-8}" --max-restarts "${MAX_RESTARTS:-3}" \
     --rdzv_backend c10d --rdzv_endpoint "$MASTER:${PORT:-29500}" --rdzv_id "${RUN_ID:-megadiv}" \
