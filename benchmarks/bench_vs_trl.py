@@ -15,14 +15,14 @@ before and after training on the same problems):
   up to 128 new tokens, temperature 0.7, clip [0.8, 1.28], lr 2e-5, 16 micro-batches of 8;
   ``--held-out`` problems (default 20). Each (system, layout) first runs one step alone, so the
   cost of the whole benchmark is printed before it starts.
-Non-default keys: beyond the workload's own (model, data, reward, the batch shape, sampling, the
-loss, lr and gradient clip above), megadiv's config sets only ``grpo.max_tokens_per_micro_batch``
-(NON_DEFAULT_KEYS, printed at the start); the optimizer is the default (megatron's plain one at
-DP = 1 since issue 41; earlier figures set ``optim.distributed_optimizer: false`` for that).
-TRL's micro-batches hold a fixed number of rows at the batch's padded width; megadiv's the same
-rows at most, grouped by length with a token budget of that fixed micro-batch's padded size
-(``grpo.max_tokens_per_micro_batch``), each at its own width: the same loss and update without the
-compute on padding (TRL's padding-free mode needs flash attention, which it has not on CPU).
+Non-default keys: none beyond the workload's own (model, data, reward, the batch shape, sampling,
+the loss, lr and gradient clip above); NON_DEFAULT_KEYS is printed at the start. The optimizer is
+the default (megatron's plain one at DP = 1 since issue 41) and so are the micro-batches: at most
+``micro`` rows each, grouped by length, each at its own width (the default since issue 41; before
+it this script set ``grpo.max_tokens_per_micro_batch`` to the fixed micro-batch's padded size for
+that). TRL's micro-batches hold ``micro`` rows at the batch's padded width: the same loss and
+update, with compute on padding (TRL's padding-free mode needs flash attention, which it has not
+on CPU).
 
 Layouts (``--layouts``): ``1x1`` one process x one thread, ``1x2`` one process x two threads (both
 systems); megadiv only: ``tp2`` (a: TP=2, 2 ranks x 1 thread), ``pp2`` (b: the SmolLM2 recipe's
@@ -334,11 +334,6 @@ def workload(name: str, args) -> dict:
                                                                           for r in records]
 
     train, texts, ids = rendered(data)
-    # token-budget micro-batches (verl's dynamic batch size): rows grouped by length, each micro-batch
-    # at its own width, at most ``micro`` rows and the fixed micro-batch's padded size; the same
-    # rows, loss and update, without the compute on padding. TRL's counterpart (padding_free) needs
-    # flash attention, which it has not on CPU.
-    megadiv["grpo"]["max_tokens_per_micro_batch"] = shape["micro"] * (max(map(len, ids)) + shape["new"])
     sampler = PromptSampler(len(train), shape["prompts"], seed=DataConfig(**data).seed)
     order = [i for _ in range(args.steps) for i in sampler.next_batch()]  # megadiv's prompts, in its order
     held_records, held_texts, _ = rendered(held) if args.held_out else ([], [], [])
@@ -354,7 +349,7 @@ def workload(name: str, args) -> dict:
 
 
 # the keys megadiv's config sets that are not the workload's and not megadiv's defaults (printed)
-NON_DEFAULT_KEYS = ("grpo.max_tokens_per_micro_batch",)
+NON_DEFAULT_KEYS: tuple[str, ...] = ()
 
 # layout -> (processes, threads per process, config overrides); TRL: layout -> threads
 MEGADIV_LAYOUTS = {
@@ -539,7 +534,7 @@ def main() -> None:
     args.trl_python = trl_python(args.timeout) if "trl" in args.systems else None
     out = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "load_before": load(), "workloads": {},
            "non_default_keys": list(NON_DEFAULT_KEYS)}
-    print(f"megadiv: non-default keys beyond the workload's: {', '.join(NON_DEFAULT_KEYS)}", flush=True)
+    print(f"megadiv: non-default keys beyond the workload's: {', '.join(NON_DEFAULT_KEYS) or 'none'}", flush=True)
     names = ["a", "b"] if args.workload == "both" else [args.workload]
     with tempfile.TemporaryDirectory(prefix="megadiv-bench-vs-trl-") as tmp:
         work = args.keep or Path(tmp)

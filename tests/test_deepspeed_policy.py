@@ -118,6 +118,7 @@ def _load(*overrides: str, hf_dir: str) -> TrainConfig:
     (["model.recompute_granularity=selective"], "use deepspeed.gradient_checkpointing"),
     (["model.params_dtype=float16"], "model.params_dtype=float16 is not supported"),
     (["grpo.max_tokens_per_micro_batch=64"], "grpo.max_tokens_per_micro_batch=64 applies to model.backend=megatron only"),
+    (["grpo.pack_sequences=true"], "grpo.pack_sequences=True applies to model.backend=megatron only"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage must be 0, 1, 2 or 3"),
     (["deepspeed.offload_optimizer=cpu"], "deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1"),
     (["deepspeed.zero_stage=2", "deepspeed.offload_params=cpu"], "deepspeed.offload_params needs deepspeed.zero_stage=3"),

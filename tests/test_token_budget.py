@@ -82,7 +82,7 @@ def _cfg(**over):
     model = over.pop("model", {})
     return TrainConfig(model=ModelConfig(hf_dir="/nonexistent", **model),
                        warm_start=WarmStartConfig(make_model="qwen2"), rollout=RolloutConfig(max_new_tokens=64),
-                       parallel=parallel, grpo=GRPOConfig(prompts_per_step=2, micro_batch_size=3, **over))
+                       parallel=parallel, grpo=GRPOConfig(prompts_per_step=2, **{"micro_batch_size": 3, **over}))
 
 
 def test_config_checks_the_budget():
@@ -98,8 +98,10 @@ def test_config_checks_the_budget():
         _cfg(max_tokens_per_micro_batch=65, model={"fp8": "tensorwise"})
     with pytest.raises(ConfigError, match=">= 1"):
         _cfg(max_tokens_per_micro_batch=0)
-    with pytest.raises(ConfigError, match="set grpo.max_tokens_per_micro_batch"):
-        _cfg(pack_sequences=True)
+    assert _cfg(max_tokens_per_micro_batch=65).grpo.pack_sequences is None  # auto: where TE attention runs
+    assert _cfg(micro_batch_size=4, pack_sequences=True).grpo.pack_sequences  # no budget needed
+    with pytest.raises(ConfigError, match="pack_sequences cannot be combined with parallel.virtual_pipeline"):
+        _cfg(micro_batch_size=4, pack_sequences=True, parallel=ParallelConfig(pipeline_parallel=2, virtual_pipeline=2))
     with pytest.raises(ConfigError, match="transformer_impl is 'local'"):
         _cfg(max_tokens_per_micro_batch=100, pack_sequences=True, model={"transformer_impl": "local"})
     with pytest.raises(ConfigError, match="virtual_pipeline"):
@@ -184,10 +186,11 @@ def test_dp_replicas_may_form_different_numbers_of_micro_batches(layout):
         assert results[0]["micro_batches"] > results[1]["micro_batches"]
 
 
-def test_packing_is_refused_without_transformer_engine(layout):
+def test_packing_is_refused_without_transformer_engine_and_off_by_default_there(layout):
     name, results = layout
     if name == "tp1":
         assert "grpo.pack_sequences needs the Transformer Engine layer spec" in results[0]["pack_refused"]
+    assert not any(r["packs_by_default"] for r in results)  # megatron's local spec: padded rows
 
 
 @pytest.mark.slow

@@ -26,11 +26,12 @@ def test_token_budget_and_packed_sequences_train_like_the_padded_path_on_a_gpu(t
     (res,) = run_torchrun("tests.dist.token_budget:packed_vs_padded_on_gpu", 1, timeout_s=600, cuda=True,
                           args={"hf_dir": tiny_model})
     padded = res["padded"]
-    print({path: [(s["loss/total"], s["grad_norm"]) for s in res[path]["steps"]] for path in ("padded", "budget",
-                                                                                               "packed")})
+    print({path: [(s["loss/total"], s["grad_norm"]) for s in res[path]["steps"]]
+           for path in ("padded", "budget", "packed", "packed_rows")})
     columns = torch.arange(padded["logp_ref"].shape[1])
     predicts = columns[None] < torch.tensor(res["lengths"])[:, None] - 1
-    for path in ("budget", "packed"):
+    assert [res[path]["packed"] for path in ("padded", "budget", "packed", "packed_rows")] == [False, False, True, True]
+    for path in ("budget", "packed", "packed_rows"):
         run = res[path]
         for p, q in zip(padded["steps"], run["steps"], strict=True):
             assert q["skipped"] == p["skipped"] == 0.0

@@ -33,7 +33,7 @@ def preflight(cfg: TrainConfig, check_weights: bool = True, checksums: bool = Tr
     run_dir = Path(cfg.run.output_dir) / cfg.run.name
     _check_writable(run_dir, "run.output_dir")
     if cfg.model.has_checkpoint():
-        _check_model_dir(Path(cfg.model.hf_dir), cfg.model.backend, check_weights)
+        _check_model_dir(Path(cfg.model.hf_dir), cfg, check_weights)
     else:  # warm_start.make_model creates it (TrainConfig requires that)
         _check_writable(Path(cfg.model.hf_dir), "model.hf_dir")
     return _resume_notes(cfg, run_dir, checksums) if cfg.checkpoint.resume == "auto" else []
@@ -106,14 +106,16 @@ def _check_writable(path: Path, key: str) -> None:
         raise ConfigError(f"{key}: cannot write in {probe} ({e.strerror or e})") from None
 
 
-def _check_model_dir(hf_dir: Path, backend: str, check_weights: bool) -> None:
-    """config.json parses and describes a supported model (one megadiv maps to megatron, or with
-    the DeepSpeed backend any model transformers knows); the safetensors files are complete and,
-    for megatron, hold every tensor of that model with its shape."""
+def _check_model_dir(hf_dir: Path, cfg: TrainConfig, check_weights: bool) -> None:
+    """config.json parses and describes a supported model (one megadiv maps to megatron, at the
+    configured expert parallelism, or with the DeepSpeed backend any model transformers knows);
+    the safetensors files are complete and, for megatron, hold every tensor of that model with
+    its shape."""
     from megadiv.models.families import arch_from_hf_config
     from megadiv.models.hf_config import load_hf_config
     from megadiv.models.loading import SafetensorsCheckpoint, WeightMismatchError, check_checkpoint
 
+    backend = cfg.model.backend
     if backend == "deepspeed":
         from transformers import AutoConfig
 
@@ -123,10 +125,7 @@ def _check_model_dir(hf_dir: Path, backend: str, check_weights: bool) -> None:
             raise ConfigError(f"model.hf_dir: transformers cannot read {hf_dir}/config.json: {e}") from None
     else:
         arch = arch_from_hf_config(load_hf_config(hf_dir))
-        if arch.is_moe:
-            raise ConfigError(f"model.hf_dir: {hf_dir} is a mixture-of-experts model ({arch.family}); megadiv "
-                              f"converts and runs these (megadiv.models) but does not train them yet "
-                              f"(docs/models.md, Mixture of experts)")
+        _check_experts(arch, hf_dir, cfg)
     if not check_weights:
         return
     try:
@@ -138,6 +137,31 @@ def _check_model_dir(hf_dir: Path, backend: str, check_weights: bool) -> None:
             ckpt.close()
     except WeightMismatchError as e:
         raise ConfigError(f"model.hf_dir: {e}") from None
+
+
+def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
+    """The expert-parallel layout suits the model (models.builder.check_expert_parallel), and a
+    mixture-of-experts model trains on the paths tested with experts: megatron's local spec, one
+    pipeline stage, the embedded engine (docs/models.md, Mixture of experts)."""
+    from megadiv.models.builder import check_expert_parallel
+    from megadiv.rollout import resolve_engine_name
+
+    p = cfg.parallel
+    try:
+        check_expert_parallel(arch, p.tensor_parallel, p.expert_parallel)
+    except ConfigError as e:
+        raise ConfigError(f"model.hf_dir={hf_dir}: parallel.{e}") from None
+    if not arch.is_moe:
+        return
+    untested = {"parallel.pipeline_parallel > 1": p.pipeline_parallel > 1,
+                "model.transformer_impl=transformer_engine": cfg.model.transformer_impl == "transformer_engine",
+                "rollout.engine=sglang (expert weights are not yet pushed to SGLang servers)":
+                    resolve_engine_name(cfg.rollout) == "sglang"}
+    for what, applies in untested.items():
+        if applies:
+            raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
+                              f"train one with {what} yet; it trains them at TP = PP = 1 with expert_parallel and "
+                              f"the embedded engine (docs/models.md, Mixture of experts)")
 
 
 def _resume_notes(cfg: TrainConfig, run_dir: Path, checksums: bool) -> list[str]:

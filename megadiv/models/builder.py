@@ -106,10 +106,9 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
                           f"match the initialised parallel state TP={tp} PP={pp}")
     _check_divisible(arch, tp, pp)
     ep = parallel_state.get_expert_model_parallel_world_size()
+    check_expert_parallel(arch, tp, ep)
     if arch.is_moe:
-        _check_moe(arch, tp, ep)
-    elif ep > 1:
-        raise ConfigError(f"expert_parallel={ep} needs a mixture-of-experts model; {arch.family} is dense")
+        _define_te_general_gemm()
     if stage_layers is None and parallel is not None:
         stage_layers = parallel.stage_layers
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_multiple)
@@ -241,13 +240,18 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _check_moe(arch: ArchSpec, tp: int, ep: int) -> None:
+def check_expert_parallel(arch: ArchSpec, tp: int, ep: int) -> None:
+    """The layouts megadiv builds a model at: EP dividing a mixture-of-experts model's experts,
+    TP = 1 with experts; EP = 1 for a dense model."""
+    if not arch.is_moe:
+        if ep > 1:
+            raise ConfigError(f"expert_parallel={ep} needs a mixture-of-experts model; {arch.family} is dense")
+        return
     if arch.num_experts % ep:
         raise ConfigError(f"expert_parallel={ep} does not divide the {arch.num_experts} experts of this model")
     if tp > 1:
         raise ConfigError(f"tensor_parallel={tp} with a mixture-of-experts model is not supported yet (megatron needs "
                           f"sequence parallelism for MoE with TP > 1); use tensor_parallel=1 and expert_parallel")
-    _define_te_general_gemm()
 
 
 def mark_tensor_parallel(module: torch.nn.Module) -> None:

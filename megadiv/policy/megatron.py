@@ -55,25 +55,31 @@ class Policy:
     backend = "megatron"
     exports_per_replica = True
     """export_buckets is collective over one data-parallel replica's TP x PP ranks only: the other
-    replicas hold the same weights and need not take part in a push."""
+    replicas hold the same weights and need not take part in a push. Not with expert parallelism
+    (set per instance): the experts live on EP ranks, which are data-parallel ranks, so every
+    rank takes part."""
 
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
                  temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
-                 pack_sequences: bool = False, group_by_length: bool = True):
+                 pack_sequences: bool | None = None, group_by_length: bool = True):
         """``group_by_length=False``: micro-batches of ``micro_batch_size`` rows in batch order at
-        the batch's width (what the interleaved schedule runs; the tests' padded reference)."""
+        the batch's width (what the interleaved schedule runs; the tests' padded reference).
+        ``pack_sequences=None``: packed wherever Transformer Engine attention runs and the
+        micro-batches are grouped by length (grpo.pack_sequences)."""
         from megatron.core import parallel_state
 
         self.role = role
+        self.exports_per_replica = parallel_cfg.expert_parallel == 1
         self.log_probs_chunk = log_probs_chunk
         self.temperature = temperature
-        self.max_tokens, self.pack_sequences = max_tokens_per_micro_batch, pack_sequences
-        if pack_sequences and max_tokens_per_micro_batch is None:
-            raise ValueError("pack_sequences needs max_tokens_per_micro_batch")
+        self.max_tokens = max_tokens_per_micro_batch
         # the interleaved schedule needs micro-batches of one shape (interleaved_rows)
         self.group_by_length = max_tokens_per_micro_batch is not None or (
             group_by_length and parallel_cfg.virtual_pipeline is None)
+        if pack_sequences and not self.group_by_length:
+            raise ConfigError("grpo.pack_sequences packs micro-batches grouped by length: not with "
+                              "parallel.virtual_pipeline or group_by_length=False")
         overrides = {"calculate_per_token_loss": True}
         if self.group_by_length and parallel_cfg.pipeline_parallel > 1:
             # micro-batches of different shapes: the pipeline stages send each other the shape first.
@@ -81,7 +87,9 @@ class Policy:
             overrides |= {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
         self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
                                                 config_overrides=overrides)
-        if pack_sequences and not _runs_transformer_engine(self.model):
+        runs_te = _runs_transformer_engine(self.model)
+        self.pack_sequences = runs_te and self.group_by_length if pack_sequences is None else pack_sequences
+        if pack_sequences and not runs_te:
             raise ConfigError("grpo.pack_sequences needs the Transformer Engine layer spec (THD attention); this "
                               "model was built with megatron's local spec (no TE or no GPU here, or "
                               "model.transformer_impl=local)")
@@ -302,13 +310,14 @@ class Policy:
     def hf_weight_views(self) -> list[tuple[str, torch.Tensor]] | None:
         """The HF tensors as views of this rank's parameters where the layout allows, without
         communication (models.export.hf_weight_views), when this rank holds the whole model
-        (TP = PP = 1); None otherwise. What the embedded engine shares instead of a copy."""
+        (TP = PP = EP = 1); None otherwise. What the embedded engine shares instead of a copy."""
         from megatron.core import parallel_state
 
         from megadiv.models.export import hf_weight_views
 
         whole = (parallel_state.get_tensor_model_parallel_world_size() == 1
-                 and parallel_state.get_pipeline_model_parallel_world_size() == 1)
+                 and parallel_state.get_pipeline_model_parallel_world_size() == 1
+                 and parallel_state.get_expert_model_parallel_world_size() == 1)
         return hf_weight_views(self.model) if whole else None
 
     def save_hf(self, out, template_dir: str, replace: bool = False) -> None:

@@ -4,7 +4,9 @@ For small models and machines without a GPU (the CPU default). The HF model is k
 the same weight buckets the SGLang engine receives: each tensor is copied into the parameter of
 the same HF name, or, with ``update_weights(..., share=True)``, taken as the parameter itself (a
 view of the trainer's parameter: no copy, and no copy to refresh). float32 on CPU, the
-checkpoint's dtype on GPU.
+checkpoint's dtype on GPU. A mixture-of-experts layer's experts, which transformers keeps fused
+in memory, are sent per expert under the checkpoint's names and copied into their slices
+(:func:`fused_expert_slices`).
 
 Sampling is seeded per row, not per call: row r of a call (prompt i, sample j; r = i * n + j
 counted from ``first_prompt``) draws each token from one uniform that is a function of (call
@@ -52,6 +54,7 @@ class EmbeddedEngine:
         self.model.requires_grad_(False)  # the engine never trains: no graph, shared weights stay read-only
         # remove_duplicate=False: a tied lm_head.weight is listed too (the same Parameter)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._slices = fused_expert_slices(self.model)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
         self._eos = set([eos] if isinstance(eos, int) else (eos or []))
@@ -156,12 +159,16 @@ class EmbeddedEngine:
         for i, bucket in enumerate(buckets):
             where = f"weight sync to version {version!r} (embedded engine), bucket {i}"
             for name, t in bucket:  # check the whole bucket before changing anything in it
-                if name not in self._params:
+                target = self._params.get(name, self._slices.get(name))
+                if target is None:
                     raise WeightSyncError(f"{where}: tensor {name!r} is not a weight of the model")
-                if tuple(t.shape) != tuple(self._params[name].shape):
+                if tuple(t.shape) != tuple(target.shape):
                     raise WeightSyncError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the model's is "
-                                          f"{tuple(self._params[name].shape)}")
+                                          f"{tuple(target.shape)}")
             for name, t in bucket:
+                if name in self._slices:  # one expert's part of a fused tensor: always a copy
+                    self._slices[name].copy_(t)
+                    continue
                 p = self._params[name]  # tied weights: one Parameter under both names
                 if share and (t.dtype, t.device) == (p.dtype, p.device):
                     p.data = t.detach()
@@ -220,6 +227,27 @@ class EmbeddedEngine:
 
 
 # --------------------------------------------------------------------------- seeded sampling
+
+
+def fused_expert_slices(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF checkpoint name -> the slice of a fused expert tensor it fills, for every module that
+    holds its experts as ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F] (transformers 5's
+    Qwen3MoeExperts and kin, whose forward takes gate, up = (x @ gate_up_proj[g].T).chunk(2)):
+    ``{prefix}.{g}.gate_proj.weight`` is gate_up_proj[g, :F], ``up_proj`` gate_up_proj[g, F:] and
+    ``down_proj`` down_proj[g]. Views of the parameters' storage, which the engine never replaces
+    for these (they are copied into, never shared)."""
+    out = {}
+    for prefix, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+                and gate_up.dim() == down.dim() == 3):
+            continue
+        ffn = gate_up.shape[1] // 2
+        for g in range(gate_up.shape[0]):
+            out |= {f"{prefix}.{g}.gate_proj.weight": gate_up.data[g, :ffn],
+                    f"{prefix}.{g}.up_proj.weight": gate_up.data[g, ffn:],
+                    f"{prefix}.{g}.down_proj.weight": down.data[g]}
+    return out
 
 
 def draw_seed() -> int:

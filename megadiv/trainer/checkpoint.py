@@ -65,7 +65,10 @@ from megadiv.trainer.lifecycle import RestartRefused, start_helper, writing
 # Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
 # optimizer's), gathered over DP on save and sliced on load: it reloads at another TP or DP size
 # (megatron-core rejects its default 'fully_sharded_model_space' on this path, docs/cpu.md).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Without a prefix per chained optimizer (a mixture-of-experts model's dense and expert optimizers,
+# one optimizer at EP = 1 and DP = 1): the tensors keep their keys whatever the chain, so a
+# checkpoint reloads at another expert-parallel size.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 MANIFEST = "manifest.json"
 # What a checkpoint is tied to: resuming at another TP or DP size is tested
 # (tests/test_trainer.py, a DP=2 checkpoint resumed at DP=1 and at TP=2); another pipeline split is not.
@@ -355,6 +358,7 @@ class CheckpointSaver:
             state["trainer"] = _from_rank0(trainer_state)
             state["adam_step"] = _adam_step(actor.optimizer)
             state["distributed_optimizer"] = actor.use_distributed_optimizer
+            state["optimizer_parts"] = len(_parts(actor.optimizer))
             request = dist_checkpointing.save(state, str(partial), sharded_strategy=self._save_strategy(),
                                               async_sharded_save=True)
             if rank == 0:
@@ -578,17 +582,20 @@ def _load(path: Path, actor: Policy) -> dict:
     common = dist_checkpointing.load_common_state_dict(str(path))
     # written before the key existed: the distributed optimizer's exactly when it holds Adam's state
     saved_distributed = common.get("distributed_optimizer", common["adam_step"] is not None)
+    # another chain of optimizers (expert parallelism changed): the same tensors, another nesting
+    converting = (saved_distributed != actor.use_distributed_optimizer
+                  or common.get("optimizer_parts", 1) != len(_parts(actor.optimizer)))
     _materialize_adam_state(actor.optimizer, common["adam_step"])
     # the replicas of a data-parallel group need the same shards: each is read by one of them and
     # broadcast to the others (megatron's fully parallel load), not read once per replica
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
-    state = dist_checkpointing.load(_state_template(actor, is_loading=True, saved_distributed=saved_distributed),
-                                    str(path), sharded_strategy=strategy)
+    state = dist_checkpointing.load(_state_template(actor, is_loading=True, saved_distributed=saved_distributed,
+                                                    converting=converting), str(path), sharded_strategy=strategy)
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
         gpt.load_state_dict(state[key])
     optimizer_state = state["optimizer"]
-    if saved_distributed != actor.use_distributed_optimizer:
+    if converting:
         optimizer_state = _converted_optimizer_state(actor, state[CONVERTED], common["optimizer"])
     with torch.no_grad():
         _load_optimizer(actor.optimizer, optimizer_state)
@@ -625,9 +632,27 @@ def _coordinates() -> list[int]:
             parallel_state.get_data_parallel_rank(with_context_parallel=True)]
 
 
-def _load_optimizer(optimizer, state: dict) -> None:
-    """``optimizer.load_state_dict(state)``, working around two defects of megatron-core's
-    distributed optimizer without Apex/TE (0.16.1):
+def _parts(optimizer) -> list:
+    """The optimizers megatron chains (dense and expert parameters of a mixture-of-experts model),
+    or the one optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _part_states(optimizer, state) -> list[dict]:
+    """``state`` (a ChainedOptimizer's: one entry per part, as a list or keyed 0..n-1) per part."""
+    parts = _parts(optimizer)
+    if len(parts) == 1:
+        return [state]
+    states = [v for _, v in sorted(state.items())] if isinstance(state, dict) else list(state)
+    if len(states) != len(parts):
+        raise CheckpointError(f"the checkpoint's optimizer state has {len(states)} parts, this run's optimizer "
+                              f"{len(parts)}")
+    return states
+
+
+def _load_optimizer(optimizer, state) -> None:
+    """``optimizer.load_state_dict(state)``, part by part, working around two defects of
+    megatron-core's distributed optimizer without Apex/TE (0.16.1):
 
     * loading 'fully_reshardable' parameter state copies every key of a parameter's optimizer
       state from the checkpoint, 'step' included, which the checkpoint does not hold
@@ -636,34 +661,38 @@ def _load_optimizer(optimizer, state: dict) -> None:
     * the load writes ONE 'step' tensor into every parameter's state (distrib_optimizer.py:825);
       torch's Adam increments it in place per parameter, so each would see another step count:
       each parameter gets its own copy."""
-    param_state = None
-    if state.get("param_state_sharding_type") == "fully_reshardable":
-        state = dict(state)
-        del state["param_state_sharding_type"]
-        param_state = state.pop("param_state")
-    optimizer.load_state_dict(state)
-    inner_states = [st for inner in _adam_steps(optimizer) for st in inner.state.values()]
-    if param_state is not None:
-        (distributed,) = getattr(optimizer, "chained_optimizers", [optimizer])  # one per dense model
-        steps = [st.pop("step", None) for st in inner_states]
-        distributed.load_parameter_state_from_fully_reshardable(param_state)
-        for st, step in zip(inner_states, steps):
-            if step is not None:
-                st["step"] = step
-    for st in inner_states:
-        if "step" in st:
-            st["step"] = st["step"].clone()
+    for part, part_state in zip(_parts(optimizer), _part_states(optimizer, state)):
+        param_state = None
+        if part_state.get("param_state_sharding_type") == "fully_reshardable":
+            part_state = dict(part_state)
+            del part_state["param_state_sharding_type"]
+            param_state = part_state.pop("param_state")
+        part.load_state_dict(part_state)
+        inner_states = [st for inner in _adam_steps(part) for st in inner.state.values()]
+        if param_state is not None:
+            steps = [st.pop("step", None) for st in inner_states]
+            part.load_parameter_state_from_fully_reshardable(param_state)
+            for st, step in zip(inner_states, steps):
+                if step is not None:
+                    st["step"] = step
+        for st in inner_states:
+            if "step" in st:
+                st["step"] = st["step"].clone()
 
 
-def _state_template(actor: Policy, is_loading: bool, saved_distributed: bool | None = None) -> dict:
-    """What megatron saves or loads. Loading another optimizer's state (``saved_distributed``: how
-    the checkpoint was written), the running optimizer's tensors are asked for under the saved
-    keys (``_retarget_main_params``) and under CONVERTED, apart from the saved non-tensor state."""
+def _state_template(actor: Policy, is_loading: bool, saved_distributed: bool | None = None,
+                    converting: bool = False) -> dict:
+    """What megatron saves or loads. Loading another optimizer's state (``converting``: the plain
+    and the distributed optimizer, ``saved_distributed`` telling how the checkpoint was written,
+    or another chain of them), the running optimizer's tensors are asked for under the saved keys
+    (``_retarget_main_params``) and under CONVERTED, apart from the saved non-tensor state."""
     model_state = sharded_state_dict(actor.model)
     optimizer_state = actor.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                          metadata=OPTIMIZER_METADATA)
-    if is_loading and saved_distributed != actor.use_distributed_optimizer:
-        return {**model_state, CONVERTED: _retarget_main_params(actor, optimizer_state, model_state, saved_distributed)}
+    if is_loading and converting:
+        if saved_distributed != actor.use_distributed_optimizer:
+            optimizer_state = _retarget_main_params(actor, optimizer_state, model_state, saved_distributed)
+        return {**model_state, CONVERTED: optimizer_state}
     return {**model_state, "optimizer": optimizer_state}
 
 
@@ -713,10 +742,15 @@ def _converted_optimizer_state(actor: Policy, loaded: dict, saved_common: dict) 
     """The running optimizer's state dict (its hyperparameters and materialized step) with the
     tensors loaded from the other optimizer's checkpoint, and the saved loss scale (fp16)."""
     state = _with_tensors(actor.optimizer.state_dict(), loaded)
-    if "grad_scaler" in saved_common:
-        state["grad_scaler"] = saved_common["grad_scaler"]
-    if actor.use_distributed_optimizer:
-        state["param_state_sharding_type"] = OPTIMIZER_METADATA["distrib_optim_sharding_type"]
+    saved_parts = saved_common if isinstance(saved_common, list) else (
+        [v for _, v in sorted(saved_common.items())] if all(isinstance(k, int) for k in saved_common) else
+        [saved_common])
+    scaler = next((p["grad_scaler"] for p in saved_parts if "grad_scaler" in p), None)
+    for part in _part_states(actor.optimizer, state):
+        if scaler is not None:
+            part["grad_scaler"] = scaler
+        if actor.use_distributed_optimizer:
+            part["param_state_sharding_type"] = OPTIMIZER_METADATA["distrib_optim_sharding_type"]
     return state
 
 
@@ -731,7 +765,7 @@ def _with_tensors(base, loaded):
 
 
 def _adam_steps(optimizer):
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _parts(optimizer):
         if isinstance(opt.optimizer, torch.optim.Adam):  # AdamW subclasses Adam
             yield opt.optimizer
 

@@ -59,9 +59,13 @@ class GRPOConfig:
     batch order padded to the batch's longest, which parallel.virtual_pipeline keeps). At least
     rollout.max_new_tokens + 1; a row longer than the budget (a long prompt) forms a micro-batch
     alone."""
-    pack_sequences: bool = False
-    """With a token budget: feed each micro-batch's rows concatenated, without padding (THD layout,
-    Transformer Engine attention with packed_seq_params; needs TE on a GPU)."""
+    pack_sequences: bool | None = None
+    """Feed each micro-batch's rows concatenated, without padding (THD layout: Transformer Engine
+    attention with packed_seq_params; the same losses and gradients as padded rows). None: packed
+    wherever the model runs TE attention (model.transformer_impl auto on a GPU with TE, or
+    transformer_engine) and the micro-batches are grouped by length (not under
+    parallel.virtual_pipeline); padded elsewhere (megatron's local spec, the CPU). true: packed,
+    refused where it cannot be; false: padded."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 1
@@ -124,9 +128,6 @@ class GRPOConfig:
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise ConfigError(f"grpo.max_tokens_per_micro_batch must be >= 1 (or null), got "
                               f"{self.max_tokens_per_micro_batch}")
-        if self.pack_sequences and self.max_tokens_per_micro_batch is None:
-            raise ConfigError("grpo.pack_sequences packs the micro-batches of a token budget: set "
-                              "grpo.max_tokens_per_micro_batch too")
 
 
 @dataclass(frozen=True)
@@ -233,10 +234,10 @@ class TrainConfig:
                               f"or examples/hf_configs/<name>/config.json for a model directory named <name>)")
         self._check_backend()
         if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
-            if self.parallel.expert_parallel > 1:
-                raise ConfigError(f"parallel.expert_parallel={self.parallel.expert_parallel}: megadiv train does not "
-                                  f"train mixture-of-experts models yet (their weight sync, checkpoints and export "
-                                  f"over expert-parallel ranks are not wired through the trainer; docs/models.md)")
+            if self.parallel.expert_parallel > 1 and self.warm_start.make_model != "none":
+                raise ConfigError(f"parallel.expert_parallel={self.parallel.expert_parallel} needs a mixture-of-experts "
+                                  f"model, and warm_start.make_model makes dense ones: make one with megadiv "
+                                  f"make-tiny-model --family qwen3_moe and set model.hf_dir")
             if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
                 raise ConfigError(f"warm_start.make_model={self.warm_start.make_model}: megadiv has no Megatron mapping "
                                   f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
@@ -289,7 +290,8 @@ class TrainConfig:
                          "model.recompute_granularity": (m.recompute_granularity, "none"),
                          "optim.distributed_optimizer": (self.optim.distributed_optimizer, None)}
         megatron_only |= {  # ZeRO-3 gathers weights in every forward: all ranks must run equally many micro-batches
-            "grpo.max_tokens_per_micro_batch": (self.grpo.max_tokens_per_micro_batch, None)}  # packing needs it
+            "grpo.max_tokens_per_micro_batch": (self.grpo.max_tokens_per_micro_batch, None),
+            "grpo.pack_sequences": (self.grpo.pack_sequences or None, None)}  # true is refused; false is DeepSpeed's way
         for key, (value, plain) in megatron_only.items():
             if value != plain:
                 instead = ("; use deepspeed.gradient_checkpointing" if key.startswith("model.recompute")
@@ -355,10 +357,17 @@ class TrainConfig:
 
     def _check_token_budget(self) -> None:
         """A budget must hold one full-length row (at least one prompt token + max_new_tokens,
-        rounded up to the model's sequence multiple); packing needs Transformer Engine's attention."""
+        rounded up to the model's sequence multiple); packing needs Transformer Engine's attention
+        and micro-batches of varying shapes, which the interleaved schedule does not take."""
         from megadiv.policy.batches import round_up
         from megadiv.policy.megatron import sequence_multiple
 
+        if self.grpo.pack_sequences and self.model.transformer_impl == "local":
+            raise ConfigError("grpo.pack_sequences needs Transformer Engine attention (THD); "
+                              "model.transformer_impl is 'local'")
+        if self.grpo.pack_sequences and self.parallel.virtual_pipeline is not None:
+            raise ConfigError("grpo.pack_sequences cannot be combined with parallel.virtual_pipeline: the "
+                              "interleaved schedule runs micro-batches of one shape, and packed ones vary")
         budget = self.grpo.max_tokens_per_micro_batch
         if budget is None:
             return
@@ -372,9 +381,6 @@ class TrainConfig:
             raise ConfigError("grpo.max_tokens_per_micro_batch cannot be combined with parallel.virtual_pipeline: "
                               "the interleaved schedule needs a micro-batch count that is a multiple of "
                               "parallel.pipeline_parallel, which a token budget does not fix")
-        if self.grpo.pack_sequences and self.model.transformer_impl == "local":
-            raise ConfigError("grpo.pack_sequences needs Transformer Engine attention (THD); "
-                              "model.transformer_impl is 'local'")
 
     @property
     def uses_vocab_regularizer(self) -> bool:

@@ -16,8 +16,11 @@ generation), and stops once ``grpo.prompts_per_step`` groups are in, aborting th
   flight cannot fill the step (at most grpo.max_resample_rounds times); a step still short is
   filled with uniform (zero-advantage) groups.
 
-Generation runs in a background thread of the driver (``start_batch``); the ranks wait on store
-keys, not collectives. ``quiesce`` waits for it before a weight push, so every batch comes from one
+With ``grpo.overlap`` generation runs in a background thread of the driver (``start_batch``);
+without it in the calling thread (rank 0's main thread in-process, which would only wait: a
+second thread's torch calls would start a second OpenMP thread pool, and two pools on the same
+cores throttle each other's spin-waits, which made 2 threads per rank slower than 1). The ranks
+wait on store keys, not collectives. ``quiesce`` waits for it before a weight push, so every batch comes from one
 weight version (``Experience.policy_version``, checked against each completion). With
 ``grpo.overlap`` batch k+1 is started on step k-1's weights right after batch k is handed over
 (one step off-policy, rollout/staleness).
@@ -70,7 +73,7 @@ class RolloutDriver:
         self._split = group is not None  # generation_group: every rank generates a slice of each call
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.served_step = 0  # the trainer step whose weights the engine serves (0: the starting ones)
-        self._batches = ThreadPoolExecutor(1, thread_name_prefix="megadiv-rollout")
+        self._batches = ThreadPoolExecutor(1, thread_name_prefix="megadiv-rollout") if cfg.grpo.overlap else None
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="megadiv-reward")
         self._job: Future | None = None          # the batch being generated (and published)
         self._published: tuple[int, Experience] | None = None
@@ -82,8 +85,9 @@ class RolloutDriver:
         """Generate batch ``step`` on the weights served now, in the background, and publish each
         replica's rows (or the error, which every waiting rank raises). With grpo.overlap the ranks
         ask for it as soon as the previous batch is published, while that job may still be releasing
-        the generation ranks: it queues behind it on the one generation thread."""
-        self._job = self._batches.submit(self._publish, step)
+        the generation ranks: it queues behind it on the one generation thread. Without overlap the
+        batch is generated here, before this returns (the caller would only wait for it)."""
+        self._job = self._batches.submit(self._publish, step) if self._batches else finished(self._publish, step)
 
     def _publish(self, step: int) -> None:
         try:
@@ -270,13 +274,25 @@ class RolloutDriver:
             self._restored = Experience.from_state_dict(state["batch_ahead"])
 
     def close(self) -> None:
-        self._batches.shutdown(wait=False, cancel_futures=True)
+        if self._batches is not None:
+            self._batches.shutdown(wait=False, cancel_futures=True)
         self._grader.shutdown(wait=False, cancel_futures=True)
         for close in (self.engine.shutdown, self.eval_suite.close, self.reward.close):
             try:
                 close()
             except Exception:  # closing must not mask the error that brought us here
                 log.exception("while closing the rollout driver")
+
+
+def finished(fn, *args) -> Future:
+    """``fn(*args)`` run now, as a Future holding its result or its exception (what a thread
+    pool's job would hold once done)."""
+    future = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+    return future
 
 
 class DriverProcess:

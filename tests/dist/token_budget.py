@@ -59,7 +59,8 @@ def budget_vs_padded(ctx):
     references = {path: Policy(model, parallel, "reference", temperature=0.7, **micro) for path, micro in paths.items()}
     runs = [(agg, None) for agg in AGGREGATIONS] + ([("token-mean", "full_prob_l2")] if a["pp"] == 1 else [])
     out = {"dp_size": info.dp_size, "lengths": row_lengths(batch.loss_mask).tolist(),
-           "micro_batches": len(batch.by_token_budget(BUDGET, ROW_CAP)[0])}
+           "micro_batches": len(batch.by_token_budget(BUDGET, ROW_CAP)[0]),
+           "packs_by_default": references["grouped"].pack_sequences}
     if info.world_size == 1:  # megatron's local layer spec here: packing (THD) is refused, not run unpacked
         try:
             Policy(model, parallel, "reference", max_tokens_per_micro_batch=BUDGET, pack_sequences=True)
@@ -88,11 +89,14 @@ def packed_vs_padded_on_gpu(ctx):
     optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)
     batch = skewed_batch()
     out = {"lengths": row_lengths(batch.loss_mask).tolist()}
-    for path, micro in (("padded", dict(group_by_length=False)), ("budget", dict(max_tokens_per_micro_batch=BUDGET)),
-                        ("packed", dict(max_tokens_per_micro_batch=BUDGET, pack_sequences=True))):
+    for path, micro in (("padded", dict(group_by_length=False)),
+                        ("budget", dict(max_tokens_per_micro_batch=BUDGET, pack_sequences=False)),
+                        ("packed", dict(max_tokens_per_micro_batch=BUDGET)),  # packed by default under TE
+                        ("packed_rows", dict(pack_sequences=True))):  # micro_batch_size rows, no budget
         reference = Policy(model, parallel, "reference", temperature=0.7, **micro)
         actor = Policy(model, parallel, "actor", optim, total_steps=1, temperature=0.7, **micro)
         result = _one_step(actor, reference, batch, loss, None)
+        result["packed"] = actor.pack_sequences and reference.pack_sequences
         out[path] = {k: ({n: t.float().cpu() for n, t in v.items()} if k == "weights" else
                          v.float().cpu() if isinstance(v, torch.Tensor) else v) for k, v in result.items()}
     return out
