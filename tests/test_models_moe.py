@@ -83,6 +83,29 @@ def test_hf_megatron_hf_roundtrip_bit_exact(one):
     assert one["roundtrip_exact"]
 
 
+def test_planned_parameter_count_equals_megatrons_and_transformers(models, one, two):
+    """megadiv.models.plan.parameter_count of the tiny Qwen3-MoE: what megatron allocates at EP=1
+    (less the vocabulary padding), at EP=2 (the dense part on every rank, half the experts each)
+    and what transformers counts; the active count by hand (router + top-2 of 8 experts)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from megadiv.models.families import arch_from_hf_config
+    from megadiv.models.hf_config import load_hf_config
+    from megadiv.models.plan import parameter_count
+
+    arch = arch_from_hf_config(load_hf_config(Path(models["moe"])))
+    total = parameter_count(arch)
+    at_ep1 = one["param_numel"]
+    assert at_ep1["dense"] + at_ep1["experts"] - at_ep1["vocab_padding"] == total
+    assert AutoModelForCausalLM.from_pretrained(models["moe"]).num_parameters() == total
+    assert [r["param_numel"]["dense"] for r in two] == [at_ep1["dense"]] * 2
+    assert [r["param_numel"]["experts"] for r in two] == [at_ep1["experts"] // 2] * 2
+    one_expert = 3 * arch.hidden_size * arch.moe_ffn_hidden_size
+    assert total - parameter_count(arch, active=True) == arch.num_layers * (8 - 2) * one_expert
+
+
 def test_ep2_holds_half_the_experts_each(two):
     assert [r["ep_rank"] for r in two] == [0, 1]
     assert [r["experts_held"] for r in two] == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -201,6 +201,15 @@ def test_shipped_configs_count_as_transformers_does():
         assert parameter_count(arch_from_hf_config(json.loads(c.read_text()))) == hf_parameter_count(c.parent), c
 
 
+@pytest.mark.parametrize("name, total, active", [("Qwen3-30B-A3B", 30.5e9, 3.3e9), ("Qwen3-235B-A22B", 235e9, 22e9)])
+def test_moe_counts_match_the_published_total_and_active_parameters(name, total, active):
+    """Qwen's model cards: 30.5B total / 3.3B activated, 235B / 22B (the exact total is
+    transformers' count, test_shipped_configs_count_as_transformers_does)."""
+    arch = arch_from_hf_config(json.loads((HF_CONFIGS / name / "config.json").read_text()))
+    assert round(parameter_count(arch) / total, 2) == 1.0
+    assert round(parameter_count(arch, active=True) / active, 1) == 1.0  # 3.35B is "3.3B", 22.19B "22B"
+
+
 def test_scaling_doc_shows_the_planners_tables(capsys, monkeypatch):
     """Each ```text block after a `<!-- megadiv plan ARGS -->` marker in docs/scaling.md is what
     `megadiv plan ARGS` prints now."""

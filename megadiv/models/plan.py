@@ -140,13 +140,22 @@ def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: lis
     return out
 
 
-def parameter_count(arch: ArchSpec) -> int:
-    """Parameters of the Hugging Face model (true vocabulary, one copy of a tied embedding)."""
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+def parameter_count(arch: ArchSpec, active: bool = False) -> int:
+    """Parameters of the Hugging Face model (true vocabulary, one copy of a tied embedding).
+
+    A mixture-of-experts layer holds a router [E, H] and E experts of 3 H F_e each (gate, up,
+    down); ``active`` counts what one token passes through: the router and its top-k experts
+    (the "A3B" of Qwen3-30B-A3B)."""
+    h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     family = FAMILIES[arch.family]
-    layer = 2 * h + (q + 2 * kv) * h + q * h + 3 * h * f
+    layer = 2 * h + (q + 2 * kv) * h + q * h
     layer += (q + 2 * kv) * family.qkv_bias + 2 * d * family.qk_layernorm
+    if arch.is_moe:
+        experts = arch.moe_router_topk if active else arch.num_experts
+        layer += arch.num_experts * h + experts * 3 * h * arch.moe_ffn_hidden_size
+    else:
+        layer += 3 * h * arch.ffn_hidden_size
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
     return embeddings + arch.num_layers * layer + h
 

@@ -33,6 +33,19 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
+def _param_numel(model) -> dict[str, int]:
+    """What megatron allocates on this rank (one pipeline stage): parameter elements of experts and
+    of the rest, and those of the vocabulary padding rows (embedding and, untied, output layer)."""
+    numel = {"experts": 0, "dense": 0}
+    for chunk in model.chunks:
+        for name, p in chunk.named_parameters():
+            numel["experts" if ".experts." in name else "dense"] += p.numel()
+    padding_rows = model.chunks[0].embedding.word_embeddings.weight.shape[0] - model.vocab_size
+    untied = not model.chunks[0].share_embeddings_and_output_weights
+    numel["vocab_padding"] = padding_rows * model.config.hidden_size * (1 + untied)
+    return numel
+
+
 def one_rank(ctx) -> dict:
     """EP=1: logits against transformers, bit-exact export and HF tensor views, and the
     HF -> megatron -> HF round trip through ``megadiv convert``."""
@@ -49,6 +62,7 @@ def one_rank(ctx) -> dict:
         logits = model.chunks[0](tokens, torch.arange(tokens.shape[1]).unsqueeze(0), attention_mask=None)
     results["logit_diff"] = _max_diff(logits[..., :model.vocab_size], _hf_logits(hf_dir, tokens))
     results["padding_logit_max"] = float(logits[..., model.vocab_size:].abs().max())
+    results["param_numel"] = _param_numel(model)
     hf = _hf_tensors(hf_dir)
     exported, results["buckets"] = _export(model, 16 << 10)
     results["export_exact"] = _same_tensors(exported, hf)
@@ -96,6 +110,7 @@ def _ep2_vs_ep1(ctx, hf_dir: str, results: dict):
     names = [name for name, _ in megatron_params(actor)]
     results["experts_held"] = sorted({int(n.split(".mlp.experts.local_experts.")[1].split(".")[0])
                                       for n in names if ".local_experts." in n})
+    results["param_numel"] = _param_numel(actor)
     ddp = DistributedDataParallel(
         config=actor.config, module=actor.chunks[0],
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False,
