@@ -134,6 +134,29 @@ def test_dp4_ep2_log_probs_and_gradients_equal_ep1(models, tmp_path_factory):
     _check_ep2_vs_ep1(four)
 
 
+def test_replicas_with_rows_of_other_lengths_train_at_ep2_as_at_ep1(models, tmp_path_factory):
+    """Each EP=2 forward is collective over the two replicas, whose micro-batches (grouped by
+    length) differ in width: the policy runs micro-batch i of both at the wider of the two
+    (Policy._expert_group_widths; without it gloo aborts on a size mismatch). Padding at the end of
+    causal rows, routed dropless, changes no real token's value: log-probs, losses and weights equal
+    EP=1's within float32 rounding of sums in another order."""
+    import torch
+
+    ranks = _launch("policies_with_skewed_rows", 2, models, tmp_path_factory)
+    assert max(ranks[0][1]["lengths"]) > 2 * max(ranks[1][1]["lengths"])  # replica 0 long rows, 1 short ones
+    for r in ranks:
+        one, two = r[1], r[2]
+        for key in ("logp_old", "logp_after"):
+            assert float((one[key] - two[key]).abs().max()) < 2e-6, key
+        for a, b in zip(one["steps"], two["steps"]):
+            assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-5, abs=1e-7)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert one["weights"].keys() == two["weights"].keys()
+        worst = max(float((one["weights"][k] - two["weights"][k]).abs().max()) for k in one["weights"])
+        assert worst < 1e-6, worst
+    assert all(torch.equal(ranks[0][2]["weights"][k], ranks[1][2]["weights"][k]) for k in ranks[0][2]["weights"])
+
+
 def test_ep2_export_and_checkpoint_reshard(two):
     assert all(r["export_exact"] for r in two)
     assert all(r["ep2_to_ep1_bitwise"] for r in two)
@@ -147,8 +170,8 @@ def test_ep_refusals(two):
 
 
 def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models, tmp_path, capsys):
-    """check-config (train's preflight) takes a qwen3_moe hf_dir at EP=1 and EP=2 with the
-    embedded engine and refuses, by name, what megadiv does not train MoE with yet, layouts the
+    """check-config (train's preflight) takes a qwen3_moe hf_dir at EP=1 and EP=2 with either
+    engine and refuses, by name, what megadiv does not train MoE with yet, layouts the
     model cannot take, and expert parallelism without experts."""
     from pathlib import Path
 
@@ -165,11 +188,13 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
 
     assert check(models["moe"])[0] == 0
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2")[0] == 0
+    assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2", "rollout.engine=sglang")[0] == 0
     for overrides, message in [
             (["parallel.expert_parallel=2", "--world-size", "4", "parallel.tensor_parallel=2"],
              "parallel.tensor_parallel=2 with a mixture-of-experts model is not supported yet"),
             (["parallel.pipeline_parallel=2", "--world-size", "2"], "with parallel.pipeline_parallel > 1 yet"),
-            (["rollout.engine=sglang"], "with rollout.engine=sglang (expert weights are not yet pushed"),
+            (["parallel.expert_parallel=2", "--world-size", "2", "grpo.max_tokens_per_micro_batch=100"],
+             "grpo.max_tokens_per_micro_batch cannot be combined with parallel.expert_parallel > 1"),
             (["model.transformer_impl=transformer_engine"], "with model.transformer_impl=transformer_engine yet")]:
         rc, err = check(models["moe"], *overrides)
         assert rc == 2 and message in err, (overrides, err)
@@ -264,6 +289,28 @@ def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(mod
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst < 1e-6, worst
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_megadiv_train_pushes_a_moe_model_to_an_sglang_server_at_ep2(models, tmp_path):
+    """SGLang's CPU server serves qwen3_moe (its native-torch MoE path): at DP=2 x EP=2 the actor
+    exports every expert (gathered over EP) and pushes them by broadcast; after each push the
+    server's log-probs of the probe equal the trainer's, and the log-probs it sampled with equal
+    the trainer's of the same tokens (float32 on both sides)."""
+    from tests.test_trainer import megadiv_train, step_records
+
+    run = tmp_path / "sglang"
+    megadiv_train(run, f"model.hf_dir={models['moe']}", "warm_start.make_model=none", "parallel.tensor_parallel=1",
+                  "parallel.expert_parallel=2", "rollout.engine=sglang", "rollout.sync_method=distributed",
+                  "grpo.steps=2", "grpo.micro_batch_size=4", "eval.every=0", "eval.data.max_items=8",
+                  "checkpoint.every=0", timeout_s=1200)
+    steps = step_records(run)
+    assert [r["step"] for r in steps] == [1, 2]
+    print({k: [r[k] for r in steps] for k in ("sync/probe_abs_diff_max", "mismatch/abs_log_ratio_max")})  # with -s
+    for r in steps:
+        assert r["sync/probe_abs_diff_max"] < 1e-5 and r["mismatch/abs_log_ratio_max"] < 1e-5, r
+        assert r["sync/bytes_sent"] > 0 and r["skipped"] == 0
 
 
 def test_make_tiny_model_verb_writes_a_qwen3_moe(tmp_path, capsys):

@@ -141,10 +141,9 @@ def _check_model_dir(hf_dir: Path, cfg: TrainConfig, check_weights: bool) -> Non
 
 def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     """The expert-parallel layout suits the model (models.builder.check_expert_parallel), and a
-    mixture-of-experts model trains on the paths tested with experts: megatron's local spec, one
-    pipeline stage, the embedded engine (docs/models.md, Mixture of experts)."""
+    mixture-of-experts model trains on the paths tested with experts: megatron's local spec and
+    one pipeline stage (docs/models.md, Mixture of experts)."""
     from megadiv.models.builder import check_expert_parallel
-    from megadiv.rollout import resolve_engine_name
 
     p = cfg.parallel
     try:
@@ -154,14 +153,12 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     if not arch.is_moe:
         return
     untested = {"parallel.pipeline_parallel > 1": p.pipeline_parallel > 1,
-                "model.transformer_impl=transformer_engine": cfg.model.transformer_impl == "transformer_engine",
-                "rollout.engine=sglang (expert weights are not yet pushed to SGLang servers)":
-                    resolve_engine_name(cfg.rollout) == "sglang"}
+                "model.transformer_impl=transformer_engine": cfg.model.transformer_impl == "transformer_engine"}
     for what, applies in untested.items():
         if applies:
             raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
-                              f"train one with {what} yet; it trains them at TP = PP = 1 with expert_parallel and "
-                              f"the embedded engine (docs/models.md, Mixture of experts)")
+                              f"train one with {what} yet; it trains them at TP = PP = 1 with expert_parallel "
+                              f"(docs/models.md, Mixture of experts)")
 
 
 def _resume_notes(cfg: TrainConfig, run_dir: Path, checksums: bool) -> list[str]:

@@ -77,6 +77,9 @@ class Policy:
         # the interleaved schedule needs micro-batches of one shape (interleaved_rows)
         self.group_by_length = max_tokens_per_micro_batch is not None or (
             group_by_length and parallel_cfg.virtual_pipeline is None)
+        if max_tokens_per_micro_batch is not None and parallel_cfg.expert_parallel > 1:
+            raise ConfigError("grpo.max_tokens_per_micro_batch cannot be combined with parallel.expert_parallel > 1 "
+                              "(the replicas would run different numbers of micro-batches)")
         if pack_sequences and not self.group_by_length:
             raise ConfigError("grpo.pack_sequences packs micro-batches grouped by length: not with "
                               "parallel.virtual_pipeline or group_by_length=False")
@@ -95,6 +98,8 @@ class Policy:
                               "model.transformer_impl=local)")
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.expert_group = (parallel_state.get_expert_model_parallel_group() if parallel_cfg.expert_parallel > 1
+                             else None)
         self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.chunks = self.model.chunks
@@ -154,7 +159,8 @@ class Policy:
                 # fixed-width micro-batches sum the same per-token terms however the rows are grouped
                 micro_batch_size = interleaved_rows(len(batch), micro_batch_size, self.interleave_stages)
             micro = [mb.to(self.device) for mb in batch.micro_batches(micro_batch_size)]
-            return micro, [ModelInput.padded(mb, width) for mb in micro], None
+            widths = self._expert_group_widths([width] * len(micro))
+            return micro, [ModelInput.padded(mb, w) for mb, w in zip(micro, widths)], None
         # without a budget, the fixed micro-batches' own size: runs of micro_batch_size sorted rows
         # (rows x their longest <= micro_batch_size x the batch's width always holds)
         budget = self.max_tokens or micro_batch_size * width
@@ -163,9 +169,28 @@ class Policy:
         if self.pack_sequences:
             inputs = [ModelInput.packed(mb, self.seq_multiple) for mb in micro]
         else:  # the rows come longest first: the first row's length is the micro-batch's
-            inputs = [ModelInput.padded(mb, round_up(int(row_lengths(mb.loss_mask)[0]), self.seq_multiple))
-                      for mb in micro]
+            widths = self._expert_group_widths([round_up(int(row_lengths(mb.loss_mask)[0]), self.seq_multiple)
+                                                for mb in micro])
+            inputs = [ModelInput.padded(mb, w) for mb, w in zip(micro, widths)]
         return micro, inputs, order.to(self.device)
+
+    def _expert_group_widths(self, widths: list[int]) -> list[int]:
+        """The widths the micro-batches run at: with expert parallelism each forward is collective
+        over the expert-parallel group, whose ranks are data-parallel ranks with rows of their own,
+        and megatron's allgather token dispatcher gathers equally many tokens from every rank; so
+        micro-batch i runs at the widest i of the group (one all-reduce of the widths). The group
+        must run equally many micro-batches (equal rows per replica, no token budget: checked
+        here, which would otherwise be a collective mismatch or a hang)."""
+        if self.expert_group is None:
+            return widths
+        counts = torch.tensor([len(widths), -len(widths)], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.expert_group)
+        if int(counts[0]) != -int(counts[1]):
+            raise RuntimeError(f"expert-parallel ranks would run {-int(counts[1])} to {int(counts[0])} micro-batches "
+                               f"in one pass: each forward is collective over them, so every rank needs as many")
+        common = torch.tensor(widths, device=self.device)
+        dist.all_reduce(common, op=dist.ReduceOp.MAX, group=self.expert_group)
+        return common.tolist()
 
     def _run_schedule(self, batch: SequenceBatch, micro_batch_size: int, loss_func, forward_only: bool,
                       extra_forward=None) -> tuple[list[dict], torch.Tensor | None]:

@@ -377,6 +377,11 @@ class TrainConfig:
             raise ConfigError(f"grpo.max_tokens_per_micro_batch={budget} cannot hold one full-length row: 1 prompt "
                               f"token + rollout.max_new_tokens={self.rollout.max_new_tokens}, rounded up to the "
                               f"sequence multiple {multiple}, is {longest} tokens")
+        if self.parallel.expert_parallel > 1:
+            raise ConfigError("grpo.max_tokens_per_micro_batch cannot be combined with parallel.expert_parallel > 1: "
+                              "each forward is collective over the expert-parallel ranks, which are data-parallel "
+                              "replicas with rows of their own, and a token budget gives them different numbers "
+                              "of micro-batches")
         if self.parallel.virtual_pipeline is not None:
             raise ConfigError("grpo.max_tokens_per_micro_batch cannot be combined with parallel.virtual_pipeline: "
                               "the interleaved schedule needs a micro-batch count that is a multiple of "

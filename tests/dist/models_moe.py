@@ -182,6 +182,35 @@ def four_ranks(ctx) -> dict:
     return results
 
 
+def policies_with_skewed_rows(ctx) -> dict:
+    """The trainer's Policy at DP=2 x EP=2 against DP=2 x EP=1, the same rows on each replica:
+    replica 0 the long ones, replica 1 the short ones (tests/dist/token_budget.py), so each
+    replica's micro-batches grouped by length have widths of their own, which the EP=2 forward
+    (collective over both replicas) must bring to the widest of the two. Old log-probs, two SGD
+    steps, the log-probs and weights after."""
+    from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+    from megadiv.divergence import PolicyLossConfig
+    from megadiv.policy.batches import row_lengths
+    from megadiv.policy.megatron import Policy
+    from megadiv.policy.objectives import grpo_objective
+    from tests.dist.token_budget import RESPONSE_LENGTHS, skewed_batch
+
+    model = ModelConfig(hf_dir=ctx.args["models"]["moe"])
+    per = len(RESPONSE_LENGTHS) // 2
+    out: dict = {}
+    for ep in (1, 2):
+        info = _layout(ep)
+        batch = skewed_batch().rows(slice(info.dp_rank * per, (info.dp_rank + 1) * per))
+        actor = Policy(model, ParallelConfig(expert_parallel=ep), "actor",
+                       OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0), total_steps=1)
+        batch.logp_old = actor.log_probs(batch, 2)
+        steps = [actor.train_step(batch, grpo_objective(PolicyLossConfig(policy_loss="clip")), 2) for _ in range(2)]
+        out[ep] = {"lengths": row_lengths(batch.loss_mask).tolist(), "logp_old": batch.logp_old, "steps": steps,
+                   "logp_after": actor.log_probs(batch, 2),
+                   "weights": {name: t for bucket in actor.export_buckets(64 << 20) for name, t in bucket}}
+    return out
+
+
 def make_moe_models(root) -> dict[str, str]:
     """The tiny checkpoints (float32, random): ``moe`` a 2-layer Qwen3-MoE with 8 experts of width
     32, top-2 with renormalised probabilities, head_dim 16, untied; ``moe3`` the same with 3
