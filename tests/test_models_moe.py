@@ -134,7 +134,12 @@ def test_dp4_ep2_log_probs_and_gradients_equal_ep1(models, tmp_path_factory):
     _check_ep2_vs_ep1(four)
 
 
-def test_replicas_with_rows_of_other_lengths_train_at_ep2_as_at_ep1(models, tmp_path_factory):
+@pytest.fixture(scope="module")
+def skewed(models, tmp_path_factory):
+    return _launch("policies_with_skewed_rows", 2, models, tmp_path_factory)
+
+
+def test_replicas_with_rows_of_other_lengths_train_at_ep2_as_at_ep1(skewed):
     """Each EP=2 forward is collective over the two replicas, whose micro-batches (grouped by
     length) differ in width: the policy runs micro-batch i of both at the wider of the two
     (Policy._expert_group_widths; without it gloo aborts on a size mismatch). Padding at the end of
@@ -142,7 +147,7 @@ def test_replicas_with_rows_of_other_lengths_train_at_ep2_as_at_ep1(models, tmp_
     EP=1's within float32 rounding of sums in another order."""
     import torch
 
-    ranks = _launch("policies_with_skewed_rows", 2, models, tmp_path_factory)
+    ranks = skewed
     assert max(ranks[0][1]["lengths"]) > 2 * max(ranks[1][1]["lengths"])  # replica 0 long rows, 1 short ones
     for r in ranks:
         one, two = r[1], r[2]
@@ -155,6 +160,51 @@ def test_replicas_with_rows_of_other_lengths_train_at_ep2_as_at_ep1(models, tmp_
         worst = max(float((one["weights"][k] - two["weights"][k]).abs().max()) for k in one["weights"])
         assert worst < 1e-6, worst
     assert all(torch.equal(ranks[0][2]["weights"][k], ranks[1][2]["weights"][k]) for k in ranks[0][2]["weights"])
+
+
+def test_router_metrics_equal_a_float64_reference_from_transformers(models, skewed):
+    """router/z_loss, aux_loss and load_max of the first train step (both replicas' tokens that
+    predict a response token, the initial weights) against transformers' router logits of the
+    same rows in float64, one unpadded row at a time; at EP=1 and EP=2 alike."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megadiv.models.families import arch_from_hf_config
+    from megadiv.models.hf_config import load_hf_config
+    from megadiv.policy.batches import row_lengths
+    from tests.dist.token_budget import skewed_batch
+
+    arch = arch_from_hf_config(load_hf_config(Path(models["moe"])))
+    experts, k = arch.num_experts, arch.moe_router_topk
+    hf = AutoModelForCausalLM.from_pretrained(models["moe"], dtype=torch.float64, experts_implementation="eager").eval()
+    batch = skewed_batch()
+    z = torch.zeros(arch.num_layers, dtype=torch.float64)
+    prob, share = torch.zeros(arch.num_layers, experts, dtype=torch.float64), torch.zeros(arch.num_layers, experts)
+    tokens = 0
+    for row in range(len(batch)):
+        length = int(row_lengths(batch.loss_mask[row:row + 1])[0])
+        read = (batch.loss_mask[row, :length] > 0).nonzero().squeeze(-1)  # positions predicting a response token
+        with torch.no_grad():
+            out = hf(batch.tokens[row:row + 1, :length], output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            logits = logits.reshape(length, experts)[read]
+            z[layer] += logits.logsumexp(-1).square().sum()
+            prob[layer] += logits.softmax(-1).sum(0)
+            share[layer] += torch.zeros(experts).index_add_(0, logits.topk(k).indices.flatten(), torch.ones(len(read) * k))
+        tokens += len(read)
+    share = share.double() / (tokens * k)
+    expected = {"router/z_loss": float((z / tokens).mean()),
+                "router/aux_loss": float((experts * (share * prob / tokens).sum(-1)).mean()),
+                "router/load_max": float(experts * share.max())}
+    for r in skewed:
+        for ep in (1, 2):
+            got = {key: r[ep]["steps"][0][key] for key in expected}
+            # observed: z_loss within 6e-10 relative, aux_loss 4e-9 (float32 router inputs), the same loads
+            assert got["router/z_loss"] == pytest.approx(expected["router/z_loss"], rel=1e-7), ep
+            assert got["router/aux_loss"] == pytest.approx(expected["router/aux_loss"], rel=1e-7), ep
+            assert got["router/load_max"] == expected["router/load_max"], ep
 
 
 def test_ep2_export_and_checkpoint_reshard(two):
@@ -275,6 +325,7 @@ def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(mod
     for run in (one, straight, resumed):
         steps = step_records(run)
         assert all(r["skipped"] == 0 and r["sync/probe_abs_diff_mean"] < 1e-5 for r in steps), steps
+        assert all(r["router/load_max"] >= 1 and r["router/z_loss"] > 0 for r in steps), steps
         summary = json.loads((run / "summary.json").read_text())
         assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
         weights = hf_weights(run)

@@ -27,6 +27,7 @@ split into micro-batches and DP ranks is therefore exactly the token-mean over t
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ from megadiv.models.builder import MegatronModel, build_model
 from megadiv.models.output import logits_at
 from megadiv.parallel import cpu_compat
 from megadiv.policy.batches import ModelInput, SequenceBatch, round_up, row_lengths
+from megadiv.policy.router_stats import RouterStats
 
 if TYPE_CHECKING:
     from megadiv.policy.objectives import LossFn
@@ -109,8 +111,11 @@ class Policy:
         self.device = next(self.chunks[0].parameters()).device
         self.seq_multiple = sequence_multiple(model_cfg, parallel_cfg)
         self.optimizer = self.scheduler = None
+        self.router_stats = None
         if role == "actor":
             self._init_training(optim_cfg or OptimConfig(), total_steps)
+            if self.model.arch.is_moe:
+                self.router_stats = RouterStats(self.chunks, parallel_state.get_data_parallel_group(), self.device)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
         from megatron.core import parallel_state
@@ -204,9 +209,13 @@ class Policy:
 
         micro, inputs, order = self._micro_batches(batch, micro_batch_size)
 
+        # the routers' statistics: of the training passes only (router_stats.py)
+        routers = self.router_stats if self.router_stats is not None and not forward_only else None
+
         def forward_step(data_iterator, model):
             mb, x = next(data_iterator)
-            output = self._forward(model, x)
+            with routers.reading(x.index) if routers is not None else nullcontext():
+                output = self._forward(model, x)
             extra = extra_forward(x) if (extra_forward is not None and self.is_last_stage) else None
             return output, partial(loss_func, mb, x, extra=extra)
 
@@ -305,6 +314,8 @@ class Policy:
             grad_norm = float(norm) if norm is not None else grad_norm
         metrics = reduce_metrics(out, self.device)
         metrics.update(skipped=float(not finite), lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm)
+        if self.router_stats is not None:
+            metrics |= self.router_stats.metrics()
         return metrics
 
     def _grads_finite(self) -> bool:

@@ -1,0 +1,76 @@
+"""Router statistics of a mixture-of-experts actor: how its routers load the experts, measured
+on the tokens each train step's loss reads (the positions that predict response tokens).
+
+Per MoE layer, over the step's N tokens (every data-parallel replica's), with router logits l_t
+[E], k experts per token and f_e the fraction of the N k assignments that went to expert e:
+
+    router/z_loss   = mean_t logsumexp(l_t)^2                 ST-MoE's router z-loss
+    router/aux_loss = E * sum_e f_e * P_e,  P_e = mean_t softmax(l_t)_e
+                                                              Switch's load-balancing loss, the form
+                                                              megatron's moe_aux_loss_coeff scales
+    router/load_max = max_e E * f_e                           1 when every expert takes N k / E
+
+reported as the mean over layers (load_max: the most loaded expert of any layer), per train
+step (the loop averages its mini-batches). They are measurements only: the load-balancing and
+z-losses are off (models/builder.moe_fields), as RL trainers run MoE models.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+class RouterStats:
+    """Forward hooks on every router of ``chunks`` that, inside :meth:`reading`, add the
+    statistics above of the positions given; :meth:`metrics` reduces them over ``group``."""
+
+    def __init__(self, chunks: list[torch.nn.Module], group, device: torch.device):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.group, self.device = group, device
+        config = self.routers[0].config
+        self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
+        self.index: torch.Tensor | None = None
+        # per layer: [sum_t logsumexp^2, tokens, sum_t softmax (E), assignments per expert (E)]
+        self.sums = torch.zeros(len(self.routers), 2 + 2 * self.experts, dtype=torch.float64, device=device)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def record(router, args, output) -> None:
+            if self.index is None:  # log-prob passes, the reference, activation recompute
+                return
+            hidden, (_, routing_map) = args[0], output
+            with torch.no_grad():
+                # megatron's [s, b, h] flattened as the ModelInput index counts positions
+                logits = router.gating(hidden.reshape(-1, hidden.shape[-1])[self.index]).double()
+                row = self.sums[layer]
+                row[0] += logits.logsumexp(-1).square().sum()
+                row[1] += len(self.index)
+                row[2:2 + self.experts] += logits.softmax(-1).sum(0)
+                row[2 + self.experts:] += routing_map[self.index].sum(0)
+        return record
+
+    @contextmanager
+    def reading(self, index: torch.Tensor):
+        """Count the routers' tokens at ``index`` (ModelInput.index) during this forward."""
+        self.index = index
+        try:
+            yield
+        finally:
+            self.index = None
+
+    def metrics(self) -> dict[str, float]:
+        """The statistics since the last call, over every replica's tokens (collective over
+        ``group``); then start again."""
+        sums, self.sums = self.sums, torch.zeros_like(self.sums)
+        dist.all_reduce(sums, group=self.group)
+        tokens = sums[:, 1].clamp(min=1)
+        mean_prob = sums[:, 2:2 + self.experts] / tokens[:, None]
+        share = sums[:, 2 + self.experts:] / (tokens[:, None] * self.topk)  # f_e
+        return {"router/z_loss": float((sums[:, 0] / tokens).mean()),
+                "router/aux_loss": float((self.experts * (share * mean_prob).sum(-1)).mean()),
+                "router/load_max": float(self.experts * share.max())}
