@@ -20,8 +20,9 @@ With ``grpo.overlap`` generation runs in a background thread of the driver (``st
 without it in the calling thread (rank 0's main thread in-process, which would only wait: a
 second thread's torch calls would start a second OpenMP thread pool, and two pools on the same
 cores throttle each other's spin-waits, which made 2 threads per rank slower than 1). The ranks
-wait on store keys, not collectives. ``quiesce`` waits for it before a weight push, so every batch comes from one
-weight version (``Experience.policy_version``, checked against each completion). With
+wait on store keys, not collectives. ``quiesce`` waits for it before a weight push, so every
+batch comes from one weight version (``Experience.policy_version``, checked against each
+completion). With
 ``grpo.overlap`` batch k+1 is started on step k-1's weights right after batch k is handed over
 (one step off-policy, rollout/staleness).
 """
