@@ -8,6 +8,7 @@ tensor's largest entry (tolerance 8), and the EP=2 checkpoint reloading at EP=1 
 import json
 
 import pytest
+import torch
 
 from tests.dist.models_moe import make_moe_models
 from tests.torchrun import run_torchrun
@@ -207,6 +208,75 @@ def test_router_metrics_equal_a_float64_reference_from_transformers(models, skew
             assert got["router/load_max"] == expected["router/load_max"], ep
 
 
+def _hf_log_probs(hf_dir: str, weights: dict, batch, routing=None) -> torch.Tensor:
+    """transformers' float64 log-probs [B, S] of ``batch``'s response tokens with ``weights`` (HF
+    names), one unpadded row at a time; with ``routing`` [B, S, layers, k] each layer's gate takes
+    those experts, weighted by its softmax over them (renormalised with norm_topk_prob), instead of
+    its own top k."""
+    from transformers import AutoModelForCausalLM
+
+    from megadiv.policy.batches import row_lengths
+    from megadiv.rollout.embedded import fused_expert_slices
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, experts_implementation="eager").eval()
+    state, fused = hf.state_dict(), fused_expert_slices(hf)
+    with torch.no_grad():
+        for name, t in weights.items():
+            (fused[name] if name in fused else state[name]).copy_(t)
+    out = torch.zeros(batch.tokens.shape, dtype=torch.float64)
+    for row in range(len(batch)):
+        length = int(row_lengths(batch.loss_mask[row:row + 1])[0])
+        for layer, block in enumerate(hf.model.layers if routing is not None else []):
+            block.mlp.gate.forward = _routed_by(block.mlp.gate, routing[row, :length, layer].long())
+        with torch.no_grad():
+            logp = hf(batch.tokens[row:row + 1, :length]).logits[0].log_softmax(-1)
+        read = (batch.loss_mask[row, :length] > 0).nonzero().squeeze(-1)
+        out[row, read] = logp[read, batch.tokens[row, read + 1]]
+    return out
+
+
+def _routed_by(gate, chosen: torch.Tensor):
+    """A forward for transformers' Qwen3-MoE ``gate`` that takes the experts ``chosen`` [n, k]."""
+    import torch.nn.functional as F
+
+    def forward(hidden):
+        logits = F.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+        top = logits.softmax(-1).gather(1, chosen)
+        return logits, top / top.sum(-1, keepdim=True) if gate.norm_topk_prob else top, chosen
+    return forward
+
+
+def test_routing_replay_changes_nothing_when_routing_agrees_and_replays_it_when_not(models, tmp_path_factory):
+    """R2 at DP=2 x EP=2 (rows of other lengths per replica): on the recording weights a train
+    step with replay equals one without, bit for bit, with agreement 1; after the routers are
+    perturbed the replayed log-probs are those of transformers' model (float64) routed by the
+    recorded experts, the routers' own those of transformers' own routing, the two differ, and
+    router/replay_agreement falls below 1."""
+    from tests.dist.token_budget import skewed_batch
+
+    ranks = _launch("routing_replay", 2, models, tmp_path_factory)
+    for r in ranks:
+        plain, replayed = r["plain"], r["replayed"]
+        assert (plain["routing_recorded"], replayed["routing_recorded"]) == (False, True)
+        assert replayed["step"]["router/replay_agreement"] == 1.0 and "router/replay_agreement" not in plain["step"]
+        assert {k: v for k, v in replayed["step"].items() if k != "router/replay_agreement"} == plain["step"]
+        assert all(torch.equal(plain["weights"][k], replayed["weights"][k]) for k in plain["weights"])
+
+        p = r["perturbed"]
+        batch = skewed_batch().rows(slice(*p["rows"]))
+        on = batch.loss_mask > 0
+        want_replayed = _hf_log_probs(models["moe"], p["weights"], batch, p["routing"])
+        want_own = _hf_log_probs(models["moe"], p["weights"], batch)
+        print({"replayed": float((p["logp_replayed"].double() - want_replayed)[on].abs().max()),
+               "own": float((p["logp_own"].double() - want_own)[on].abs().max()),
+               "replayed vs own": float((want_replayed - want_own)[on].abs().max()),
+               "agreement": p["step"]["router/replay_agreement"]})  # with -s
+        assert float((p["logp_replayed"].double() - want_replayed)[on].abs().max()) < 2e-6
+        assert float((p["logp_own"].double() - want_own)[on].abs().max()) < 2e-6
+        assert float((want_replayed - want_own)[on].abs().max()) > 1e-2
+        assert p["step"]["router/replay_agreement"] < 0.9
+
+
 def test_ep2_export_and_checkpoint_reshard(two):
     assert all(r["export_exact"] for r in two)
     assert all(r["ep2_to_ep1_bitwise"] for r in two)
@@ -239,6 +309,7 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
     assert check(models["moe"])[0] == 0
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2")[0] == 0
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2", "rollout.engine=sglang")[0] == 0
+    assert check(models["moe"], "grpo.routing_replay=r2", "grpo.mini_batches=2")[0] == 0
     for overrides, message in [
             (["parallel.expert_parallel=2", "--world-size", "4", "parallel.tensor_parallel=2"],
              "parallel.tensor_parallel=2 with a mixture-of-experts model is not supported yet"),
@@ -248,6 +319,14 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
             (["model.transformer_impl=transformer_engine"], "with model.transformer_impl=transformer_engine yet")]:
         rc, err = check(models["moe"], *overrides)
         assert rc == 2 and message in err, (overrides, err)
+    rc, err = check(models["dense"], "grpo.routing_replay=r2", "grpo.mini_batches=2")
+    assert rc == 2 and "grpo.routing_replay=r2 needs a mixture-of-experts model" in err, err
+    for overrides, message in [(["grpo.mini_batches=1"], "with grpo.ppo_epochs x grpo.mini_batches = 1 there are none"),
+                               (["model.recompute_granularity=selective"],
+                                "cannot be combined with model.recompute_granularity=selective")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TrainConfig, tiny, [f"run.output_dir={tmp_path}", f"model.hf_dir={models['moe']}",
+                                            "warm_start.make_model=none", "grpo.routing_replay=r2", *overrides])
     rc, err = check(models["moe3"], "parallel.expert_parallel=2", "--world-size", "2")
     assert rc == 2 and "parallel.expert_parallel=2 does not divide the 3 experts" in err, err
     rc, err = check(models["dense"], "parallel.expert_parallel=2", "--world-size", "2")
@@ -296,7 +375,8 @@ def test_the_embedded_engine_takes_expert_tensors_by_their_checkpoint_names(mode
 @pytest.mark.slow  # five launches of megadiv train on 2 cores (about 2 minutes)
 def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(models, tmp_path):
     """``megadiv train`` of the tiny Qwen3-MoE: warm start, GRPO steps, evaluation, checkpoints
-    and export, at EP=1 on one rank (the engine shares the dense weights, copies the experts)
+    and export, at EP=1 on one rank with R2 routing replay (the engine shares the dense weights,
+    copies the experts)
     and at DP=2 x EP=2 (each rank exports every expert, gathered over EP). The probe after every
     sync checks that the engine scores with the trainer's weights. A run stopped at step 2 at
     EP=2 resumes at EP=1 (the expert shards re-dealt) and ends where the uninterrupted EP=2 run
@@ -309,8 +389,9 @@ def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(mod
 
     moe = [f"model.hf_dir={models['moe']}", "warm_start.make_model=none", "eval.every=0", "parallel.tensor_parallel=1",
            "grpo.micro_batch_size=4"]
-    one = tmp_path / "one"
-    megadiv_train(one, *moe, "grpo.steps=2", "checkpoint.every=0", nproc=1)
+    one = tmp_path / "one"  # with R2 routing replay (the config takes two mini-batches per step)
+    megadiv_train(one, *moe, "grpo.steps=2", "checkpoint.every=0", "grpo.routing_replay=r2", nproc=1)
+    assert all(0 < r["router/replay_agreement"] <= 1 for r in step_records(one))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     out = megadiv_train(straight, *moe, "grpo.steps=3", "parallel.expert_parallel=2")
     megadiv_train(resumed, *moe, "grpo.steps=3", "parallel.expert_parallel=2", "grpo.stop_after=2")

@@ -142,7 +142,7 @@ def _check_model_dir(hf_dir: Path, cfg: TrainConfig, check_weights: bool) -> Non
 def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     """The expert-parallel layout suits the model (models.builder.check_expert_parallel), and a
     mixture-of-experts model trains on the paths tested with experts: megatron's local spec and
-    one pipeline stage (docs/models.md, Mixture of experts)."""
+    one pipeline stage (docs/models.md, Mixture of experts); routing replay needs experts."""
     from megadiv.models.builder import check_expert_parallel
 
     p = cfg.parallel
@@ -151,6 +151,9 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     except ConfigError as e:
         raise ConfigError(f"model.hf_dir={hf_dir}: parallel.{e}") from None
     if not arch.is_moe:
+        if cfg.grpo.routing_replay != "none":
+            raise ConfigError(f"grpo.routing_replay={cfg.grpo.routing_replay} needs a mixture-of-experts model; "
+                              f"model.hf_dir={hf_dir} is {arch.family} (dense)")
         return
     untested = {"parallel.pipeline_parallel > 1": p.pipeline_parallel > 1,
                 "model.transformer_impl=transformer_engine": cfg.model.transformer_impl == "transformer_engine"}

@@ -141,6 +141,7 @@ class SequenceBatch:
     logp_old: torch.Tensor | None = None
     logp_ref: torch.Tensor | None = None
     logp_rollout: torch.Tensor | None = None
+    routing: torch.Tensor | None = None     # [B, S, MoE layers, k] int16: recorded experts (routing_replay.py)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -42,6 +42,7 @@ from megadiv.models.output import logits_at
 from megadiv.parallel import cpu_compat
 from megadiv.policy.batches import ModelInput, SequenceBatch, round_up, row_lengths
 from megadiv.policy.router_stats import RouterStats
+from megadiv.policy.routing_replay import RoutingReplay
 
 if TYPE_CHECKING:
     from megadiv.policy.objectives import LossFn
@@ -64,11 +65,13 @@ class Policy:
     def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, role: str = "actor",
                  optim_cfg: OptimConfig | None = None, total_steps: int = 1, log_probs_chunk: int | None = None,
                  temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
-                 pack_sequences: bool | None = None, group_by_length: bool = True):
+                 pack_sequences: bool | None = None, group_by_length: bool = True, routing_replay: bool = False):
         """``group_by_length=False``: micro-batches of ``micro_batch_size`` rows in batch order at
         the batch's width (what the interleaved schedule runs; the tests' padded reference).
         ``pack_sequences=None``: packed wherever Transformer Engine attention runs and the
-        micro-batches are grouped by length (grpo.pack_sequences)."""
+        micro-batches are grouped by length (grpo.pack_sequences). ``routing_replay``: a
+        mixture-of-experts actor's passes over a batch whose routing was recorded
+        (``log_probs(record_routing=True)``) take those experts (routing_replay.py, R2)."""
         from megatron.core import parallel_state
 
         self.role = role
@@ -90,6 +93,8 @@ class Policy:
             # micro-batches of different shapes: the pipeline stages send each other the shape first.
             # (megatron refuses that flag with its default MoE token dispatcher, even in a dense model)
             overrides |= {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        if routing_replay:
+            overrides |= {"moe_enable_routing_replay": True}
         self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
                                                 config_overrides=overrides)
         runs_te = _runs_transformer_engine(self.model)
@@ -111,11 +116,17 @@ class Policy:
         self.device = next(self.chunks[0].parameters()).device
         self.seq_multiple = sequence_multiple(model_cfg, parallel_cfg)
         self.optimizer = self.scheduler = None
-        self.router_stats = None
+        self.router_stats = self.routing_replay = None
+        if routing_replay:
+            if not self.model.arch.is_moe or self.pack_sequences:
+                raise ConfigError("routing replay needs a mixture-of-experts model fed padded micro-batches "
+                                  f"({model_cfg.hf_dir} is {self.model.arch.family}, packed: {self.pack_sequences})")
+            self.routing_replay = RoutingReplay(self.model.chunks, self.model.arch.moe_router_topk)
         if role == "actor":
             self._init_training(optim_cfg or OptimConfig(), total_steps)
             if self.model.arch.is_moe:
-                self.router_stats = RouterStats(self.chunks, parallel_state.get_data_parallel_group(), self.device)
+                self.router_stats = RouterStats(self.chunks, parallel_state.get_data_parallel_group(), self.device,
+                                                replayed=routing_replay)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
         from megatron.core import parallel_state
@@ -198,23 +209,33 @@ class Policy:
         return common.tolist()
 
     def _run_schedule(self, batch: SequenceBatch, micro_batch_size: int, loss_func, forward_only: bool,
-                      extra_forward=None) -> tuple[list[dict], torch.Tensor | None]:
+                      extra_forward=None, record_routing: bool = False) -> tuple[list[dict], torch.Tensor | None]:
         """Push ``batch`` through megatron's pipeline schedule; returns the last stage's per-micro-batch
         dicts (empty elsewhere) and the row order of the micro-batches (None: the batch order).
         ``loss_func(mb, x, logits, extra)`` gets the micro-batch on the model's device, its
         ModelInput ``x`` (padded to a multiple of ``seq_multiple``: FP8 / sequence-parallel shape
         rules) and the logit shard [1, n, V/TP] at x's n response positions (``_forward``);
-        ``extra_forward(x)`` gets the ModelInput too."""
+        ``extra_forward(x)`` gets the ModelInput too. ``record_routing``: sets ``batch.routing``
+        (with routing replay); a batch that has it is routed by it."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro, inputs, order = self._micro_batches(batch, micro_batch_size)
 
         # the routers' statistics: of the training passes only (router_stats.py)
         routers = self.router_stats if self.router_stats is not None and not forward_only else None
+        replay, recorded = self.routing_replay, []
+
+        def routed(mb: SequenceBatch, x: ModelInput):
+            """This forward's experts: recorded, replayed (the batch's recorded ones), or the routers' own."""
+            if replay is None:
+                return nullcontext()
+            if record_routing:
+                return replay.recording(x, recorded)
+            return replay.replaying(mb.routing, x) if mb.routing is not None else nullcontext()
 
         def forward_step(data_iterator, model):
             mb, x = next(data_iterator)
-            with routers.reading(x.index) if routers is not None else nullcontext():
+            with routers.reading(x.index) if routers is not None else nullcontext(), routed(mb, x):
                 output = self._forward(model, x)
             extra = extra_forward(x) if (extra_forward is not None and self.is_last_stage) else None
             return output, partial(loss_func, mb, x, extra=extra)
@@ -231,6 +252,8 @@ class Policy:
                 forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
                 num_microbatches=len(micro), seq_length=seq_len, micro_batch_size=rows,
                 forward_only=forward_only)
+        if record_routing and replay is not None:
+            batch.routing = replay.assemble(recorded, order, batch.tokens.shape[1])
         return out, order
 
     @staticmethod
@@ -261,15 +284,18 @@ class Policy:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def log_probs(self, batch: SequenceBatch, micro_batch_size: int,
-                  temperature: float | None = None) -> torch.Tensor | None:
+    def log_probs(self, batch: SequenceBatch, micro_batch_size: int, temperature: float | None = None,
+                  record_routing: bool = False) -> torch.Tensor | None:
         """[B, S] log-probs of each response token at ``temperature`` (default: the rollout's) at
-        the position that predicts it (0 elsewhere), on the last pipeline stage; None on the others."""
+        the position that predicts it (0 elsewhere), on the last pipeline stage; None on the others.
+        ``record_routing`` (with routing replay): also sets ``batch.routing``, the experts this
+        pass routed each position to, which the later passes over the batch replay."""
         def loss_func(mb, x, logits, extra=None):
             logp, _ = self._token_log_probs(self._tempered(logits, temperature), x, with_entropy=False)
             return logits.new_zeros(()), torch.ones((), dtype=torch.int, device=logits.device), {"logp": logp}
 
-        out, order = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True)
+        out, order = self._run_schedule(batch, micro_batch_size, loss_func, forward_only=True,
+                                        record_routing=record_routing)
         if not self.is_last_stage:
             return None
         logp = torch.cat([o["logp"] for o in out])

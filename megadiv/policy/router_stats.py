@@ -9,6 +9,10 @@ Per MoE layer, over the step's N tokens (every data-parallel replica's), with ro
                                                               Switch's load-balancing loss, the form
                                                               megatron's moe_aux_loss_coeff scales
     router/load_max = max_e E * f_e                           1 when every expert takes N k / E
+    router/replay_agreement = mean_t |top-k(l_t) & replayed_t| / k
+                                                              with routing replay: how many of the
+                                                              experts the routers would choose now
+                                                              are those replayed (1: no drift)
 
 reported as the mean over layers (load_max: the most loaded expert of any layer), per train
 step (the loop averages its mini-batches). They are measurements only: the load-balancing and
@@ -26,16 +30,17 @@ class RouterStats:
     """Forward hooks on every router of ``chunks`` that, inside :meth:`reading`, add the
     statistics above of the positions given; :meth:`metrics` reduces them over ``group``."""
 
-    def __init__(self, chunks: list[torch.nn.Module], group, device: torch.device):
+    def __init__(self, chunks: list[torch.nn.Module], group, device: torch.device, replayed: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
-        self.group, self.device = group, device
+        self.group, self.device, self.replayed = group, device, replayed
         config = self.routers[0].config
         self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.index: torch.Tensor | None = None
-        # per layer: [sum_t logsumexp^2, tokens, sum_t softmax (E), assignments per expert (E)]
-        self.sums = torch.zeros(len(self.routers), 2 + 2 * self.experts, dtype=torch.float64, device=device)
+        # per layer: [sum_t logsumexp^2, tokens, sum_t softmax (E), assignments per expert (E),
+        # sum_t of the own top-k experts the routing used]
+        self.sums = torch.zeros(len(self.routers), 3 + 2 * self.experts, dtype=torch.float64, device=device)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
 
@@ -51,7 +56,9 @@ class RouterStats:
                 row[0] += logits.logsumexp(-1).square().sum()
                 row[1] += len(self.index)
                 row[2:2 + self.experts] += logits.softmax(-1).sum(0)
-                row[2 + self.experts:] += routing_map[self.index].sum(0)
+                used = routing_map[self.index]
+                row[2 + self.experts:2 + 2 * self.experts] += used.sum(0)
+                row[-1] += used.gather(1, logits.topk(self.topk).indices).sum()
         return record
 
     @contextmanager
@@ -70,7 +77,10 @@ class RouterStats:
         dist.all_reduce(sums, group=self.group)
         tokens = sums[:, 1].clamp(min=1)
         mean_prob = sums[:, 2:2 + self.experts] / tokens[:, None]
-        share = sums[:, 2 + self.experts:] / (tokens[:, None] * self.topk)  # f_e
-        return {"router/z_loss": float((sums[:, 0] / tokens).mean()),
-                "router/aux_loss": float((self.experts * (share * mean_prob).sum(-1)).mean()),
-                "router/load_max": float(self.experts * share.max())}
+        share = sums[:, 2 + self.experts:2 + 2 * self.experts] / (tokens[:, None] * self.topk)  # f_e
+        metrics = {"router/z_loss": float((sums[:, 0] / tokens).mean()),
+                   "router/aux_loss": float((self.experts * (share * mean_prob).sum(-1)).mean()),
+                   "router/load_max": float(self.experts * share.max())}
+        if self.replayed:
+            metrics["router/replay_agreement"] = float((sums[:, -1] / (tokens * self.topk)).mean())
+        return metrics

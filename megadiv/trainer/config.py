@@ -68,6 +68,13 @@ class GRPOConfig:
     refused where it cannot be; false: padded."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    routing_replay: Literal["none", "r2"] = "none"
+    """Mixture-of-experts actors. 'r2': every training pass over a batch routes each token to the
+    experts its old-log-prob pass chose (the weights before the batch's first update; verl's R2),
+    so that pi_theta / pi_old compares one sub-network; the gate values still follow the current
+    weights, and router/replay_agreement logs how many of the routers' own choices that is.
+    Needs several updates per batch (ppo_epochs x mini_batches > 1; with one, the training pass
+    is the first and nothing has moved). docs/models.md, Routing replay."""
     mini_batches: int = 1
     """Optimizer steps per pass (the batch is split into this many mini-batches)."""
     dynamic_sampling: bool = False
@@ -123,6 +130,10 @@ class GRPOConfig:
                               f"a filter the first groups to finish would bias every batch), got {self.oversample}")
         if self.overlong_penalty < 0:
             raise ConfigError(f"grpo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        if self.routing_replay != "none" and self.ppo_epochs * self.mini_batches == 1:
+            raise ConfigError(f"grpo.routing_replay={self.routing_replay} replays the old-log-prob pass's routing in "
+                              "the later updates of a batch; with grpo.ppo_epochs x grpo.mini_batches = 1 there are "
+                              "none (the one training pass routes as that pass would)")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ConfigError(f"grpo.stop_after must lie in [1, grpo.steps={self.steps}], got {self.stop_after}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
@@ -238,6 +249,13 @@ class TrainConfig:
                 raise ConfigError(f"parallel.expert_parallel={self.parallel.expert_parallel} needs a mixture-of-experts "
                                   f"model, and warm_start.make_model makes dense ones: make one with megadiv "
                                   f"make-tiny-model --family qwen3_moe and set model.hf_dir")
+            if self.grpo.routing_replay != "none" and self.warm_start.make_model != "none":
+                raise ConfigError(f"grpo.routing_replay={self.grpo.routing_replay} needs a mixture-of-experts model, "
+                                  f"and warm_start.make_model makes dense ones")
+            if self.grpo.routing_replay != "none" and self.model.recompute_granularity != "none":
+                raise ConfigError(f"grpo.routing_replay={self.grpo.routing_replay} cannot be combined with "
+                                  f"model.recompute_granularity={self.model.recompute_granularity}: the recomputed "
+                                  f"forward in the backward pass would route by the routers' own choice")
             if self.warm_start.make_model not in ("none", *MEGATRON_FAMILIES):
                 raise ConfigError(f"warm_start.make_model={self.warm_start.make_model}: megadiv has no Megatron mapping "
                                   f"for this family (mapped: {', '.join(MEGATRON_FAMILIES)}); train it with "
@@ -288,6 +306,7 @@ class TrainConfig:
                          "parallel.expert_parallel": (p.expert_parallel, 1),
                          "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
                          "model.recompute_granularity": (m.recompute_granularity, "none"),
+                         "grpo.routing_replay": (self.grpo.routing_replay, "none"),
                          "optim.distributed_optimizer": (self.optim.distributed_optimizer, None)}
         megatron_only |= {  # ZeRO-3 gathers weights in every forward: all ranks must run equally many micro-batches
             "grpo.max_tokens_per_micro_batch": (self.grpo.max_tokens_per_micro_batch, None),

@@ -211,6 +211,54 @@ def policies_with_skewed_rows(ctx) -> dict:
     return out
 
 
+def routing_replay(ctx) -> dict:
+    """R2 on the trainer's Policy at DP=2 x EP=2 with skewed rows (policies_with_skewed_rows). Part
+    1, routing that agrees: the old-log-prob pass records, a train step replays on the same
+    weights; against a policy without replay. Part 2, routing that does not: the router weights
+    perturbed after the recording; log-probs of the rows replayed and by the routers' own choice,
+    the routing recorded and the weights, for a transformers reference; a train step's
+    router/replay_agreement."""
+    from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+    from megadiv.divergence import PolicyLossConfig
+    from megadiv.policy.megatron import Policy
+    from megadiv.policy.objectives import grpo_objective
+    from tests.dist.token_budget import RESPONSE_LENGTHS, skewed_batch
+
+    model, parallel = ModelConfig(hf_dir=ctx.args["models"]["moe"]), ParallelConfig(expert_parallel=2)
+    info = _layout(2)
+    per = len(RESPONSE_LENGTHS) // 2
+    rows = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
+    objective = grpo_objective(PolicyLossConfig(policy_loss="clip"))
+    optim = OptimConfig(optimizer="sgd", lr=0.5, clip_grad=1.0)
+    plain, replayed = (Policy(model, parallel, "actor", optim, 1, routing_replay=on) for on in (False, True))
+
+    def weights(policy):
+        return {name: t for bucket in policy.export_buckets(64 << 20) for name, t in bucket}
+
+    out: dict = {}
+    batches = {}
+    for name, policy in (("plain", plain), ("replayed", replayed)):
+        batch = skewed_batch().rows(rows)
+        batch.logp_old = policy.log_probs(batch, 2, record_routing=True)  # records only with replay
+        out[name] = {"routing_recorded": batch.routing is not None, "step": policy.train_step(batch, objective, 2),
+                     "weights": weights(policy)}
+        batches[name] = batch
+
+    batch = batches["replayed"]
+    with torch.no_grad():  # the same perturbation on every rank: the routers are replicated
+        g = torch.Generator().manual_seed(5)
+        for chunk in replayed.model.chunks:
+            for name, p in sorted(chunk.named_parameters()):
+                if name.endswith("router.weight"):
+                    p.add_(3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    own = batch.rows(slice(0, len(batch)))
+    own.routing = None
+    out["perturbed"] = {"logp_replayed": replayed.log_probs(batch, 2), "logp_own": replayed.log_probs(own, 2),
+                        "routing": batch.routing, "weights": weights(replayed), "rows": [rows.start, rows.stop]}
+    out["perturbed"]["step"] = replayed.train_step(batch, objective, 2)
+    return out
+
+
 def make_moe_models(root) -> dict[str, str]:
     """The tiny checkpoints (float32, random): ``moe`` a 2-layer Qwen3-MoE with 8 experts of width
     32, top-2 with renormalised probabilities, head_dim 16, untied; ``moe3`` the same with 3
