@@ -149,8 +149,10 @@ def _optimize(cfg: TrainConfig, actor: Policy, reference: Policy | None, rows: R
     # per batch or a KL in the reward; with one update it is the training forward's logp.detach(), the
     # same values without the pass, on-policy and off-policy (grpo.overlap) alike (docs/training.md)
     if cfg.grpo.ppo_epochs * cfg.grpo.mini_batches > 1 or kl_in_reward:
-        # R2 routing replay: the experts of this pass are those of every later pass over the batch
-        batch.logp_old = actor.log_probs(batch, mbs, record_routing=cfg.grpo.routing_replay == "r2")
+        if cfg.grpo.routing_replay == "r2":  # the experts of this pass are those of every later pass (megatron)
+            batch.logp_old = actor.log_probs(batch, mbs, record_routing=True)
+        else:
+            batch.logp_old = actor.log_probs(batch, mbs)
     kl_metrics = {}
     if kl_in_reward:
         batch.advantages, kl_metrics = _advantages_with_kl_in_reward(cfg, actor, rows, batch)
