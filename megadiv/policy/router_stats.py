@@ -58,7 +58,8 @@ class RouterStats:
                 row[2:2 + self.experts] += logits.softmax(-1).sum(0)
                 used = routing_map[self.index]
                 row[2 + self.experts:2 + 2 * self.experts] += used.sum(0)
-                row[-1] += used.gather(1, logits.topk(self.topk).indices).sum()
+                if self.replayed:  # else the routing used is the routers' own top-k
+                    row[-1] += used.gather(1, logits.topk(self.topk).indices).sum()
         return record
 
     @contextmanager
