@@ -291,8 +291,9 @@ def test_ep_refusals(two):
 
 def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models, tmp_path, capsys):
     """check-config (train's preflight) takes a qwen3_moe hf_dir at EP=1 and EP=2 with either
-    engine and refuses, by name, what megadiv does not train MoE with yet, layouts the
-    model cannot take, and expert parallelism without experts."""
+    engine, with TP x EP under sequence parallelism and with PP x EP, and refuses, by name, what
+    megadiv does not train MoE with yet, layouts the model cannot take, and expert parallelism
+    without experts."""
     from pathlib import Path
 
     from megadiv.cli import main
@@ -310,10 +311,12 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2")[0] == 0
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2", "rollout.engine=sglang")[0] == 0
     assert check(models["moe"], "grpo.routing_replay=r2", "grpo.mini_batches=2")[0] == 0
+    for layout in (["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], ["parallel.pipeline_parallel=2"]):
+        assert check(models["moe"], *layout, "parallel.expert_parallel=2", "--world-size", "4",
+                     "grpo.routing_replay=r2", "grpo.mini_batches=2")[0] == 0, layout
     for overrides, message in [
             (["parallel.expert_parallel=2", "--world-size", "4", "parallel.tensor_parallel=2"],
-             "parallel.tensor_parallel=2 with a mixture-of-experts model is not supported yet"),
-            (["parallel.pipeline_parallel=2", "--world-size", "2"], "with parallel.pipeline_parallel > 1 yet"),
+             "parallel.tensor_parallel=2 with a mixture-of-experts model needs sequence_parallel=true"),
             (["parallel.expert_parallel=2", "--world-size", "2", "grpo.max_tokens_per_micro_batch=100"],
              "grpo.max_tokens_per_micro_batch cannot be combined with parallel.expert_parallel > 1"),
             (["model.transformer_impl=transformer_engine"], "with model.transformer_impl=transformer_engine yet")]:
@@ -482,3 +485,38 @@ def test_pp2_logits_and_export(two):
     last = [r for r in two if "pp2_logit_diff" in r]
     assert len(last) == 1 and last[0]["pp2_logit_diff"] <= LOGIT_TOL, last
     assert all(r["pp2_export_exact"] for r in two)
+
+
+@pytest.mark.slow  # a 4-rank launch on 2 cores
+def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
+    """EP=2, TP=2 x EP=2 with sequence parallelism and PP=2 x EP=2 (4 ranks: DP 4, 2, 2) against
+    EP=1 at DP=4, the trainer's Policy with routing replay on the same 8 rows: old log-probs, the
+    two steps' losses, router metrics and grad norms, and the second step's gradients (routed by
+    the routing recorded before the first step, which moved the routers: replay_agreement < 1).
+    Observed: log-probs within 2e-6, gradients within 8 float32 ulps of each tensor's largest
+    entry at the first step and 20 at the second (sums in another order, at weights the first
+    step rounded differently)."""
+    ranks = _launch("layouts", 4, models, tmp_path_factory)
+    logp = {}  # layout -> {row: log-probs}, from the ranks that hold them (the last stage)
+    for r in ranks:
+        for name, run in r.items():
+            if run["logp_old"] is not None:
+                for i, row in zip(range(*run["rows"]), run["logp_old"]):
+                    logp.setdefault(name, {})[i] = row
+    ep1 = ranks[0]["ep1"]
+    for name in ("ep2", "tp2-ep2", "pp2-ep2"):
+        assert sorted(logp[name]) == list(range(8)), name
+        assert max(float((logp[name][i] - logp["ep1"][i]).abs().max()) for i in range(8)) < 2e-6, name
+        for r in ranks:
+            run = r[name]
+            for a, b in zip(run["steps"], ep1["steps"]):
+                for key in ("loss/total", "grad_norm", "router/z_loss", "router/aux_loss", "router/load_max",
+                            "router/replay_agreement"):
+                    assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (name, key)
+            for step, (grads, ref) in enumerate(zip(run["grads"], ep1["grads"])):
+                assert grads.keys() == ref.keys()
+                ulps = {k: float((grads[k] - ref[k]).abs().max() / ref[k].abs().max()) / 1.19e-7 for k in ref}
+                worst = max(ulps, key=ulps.get)
+                # the second step's gradients are taken at weights already rounded differently
+                assert ulps[worst] <= ULPS * (1 + 3 * step), (name, step, worst, ulps[worst])
+    assert ep1["steps"][0]["router/replay_agreement"] == 1.0 > ep1["steps"][1]["router/replay_agreement"]

@@ -141,13 +141,13 @@ def _check_model_dir(hf_dir: Path, cfg: TrainConfig, check_weights: bool) -> Non
 
 def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     """The expert-parallel layout suits the model (models.builder.check_expert_parallel), and a
-    mixture-of-experts model trains on the paths tested with experts: megatron's local spec and
-    one pipeline stage (docs/models.md, Mixture of experts); routing replay needs experts."""
+    mixture-of-experts model trains on megatron's local spec (the one megadiv maps experts of:
+    docs/models.md, Mixture of experts); routing replay needs experts."""
     from megadiv.models.builder import check_expert_parallel
 
     p = cfg.parallel
     try:
-        check_expert_parallel(arch, p.tensor_parallel, p.expert_parallel)
+        check_expert_parallel(arch, p.tensor_parallel, p.expert_parallel, p.sequence_parallel)
     except ConfigError as e:
         raise ConfigError(f"model.hf_dir={hf_dir}: parallel.{e}") from None
     if not arch.is_moe:
@@ -155,13 +155,10 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
             raise ConfigError(f"grpo.routing_replay={cfg.grpo.routing_replay} needs a mixture-of-experts model; "
                               f"model.hf_dir={hf_dir} is {arch.family} (dense)")
         return
-    untested = {"parallel.pipeline_parallel > 1": p.pipeline_parallel > 1,
-                "model.transformer_impl=transformer_engine": cfg.model.transformer_impl == "transformer_engine"}
-    for what, applies in untested.items():
-        if applies:
-            raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
-                              f"train one with {what} yet; it trains them at TP = PP = 1 with expert_parallel "
-                              f"(docs/models.md, Mixture of experts)")
+    if cfg.model.transformer_impl == "transformer_engine":
+        raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
+                          f"train one with model.transformer_impl=transformer_engine yet; use transformer_impl=local "
+                          f"(docs/models.md, Mixture of experts)")
 
 
 def _resume_notes(cfg: TrainConfig, run_dir: Path, checksums: bool) -> list[str]:

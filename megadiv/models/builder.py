@@ -14,6 +14,7 @@ layers (megadiv.models.loading).
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,23 +107,25 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
                           f"match the initialised parallel state TP={tp} PP={pp}")
     _check_divisible(arch, tp, pp)
     ep = parallel_state.get_expert_model_parallel_world_size()
-    check_expert_parallel(arch, tp, ep)
+    sequence_parallel = parallel.sequence_parallel if parallel else False
+    check_expert_parallel(arch, tp, ep, sequence_parallel)
     if arch.is_moe:
         _define_te_general_gemm()
     if stage_layers is None and parallel is not None:
         stage_layers = parallel.stage_layers
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_multiple)
 
-    config = transformer_config(arch, family, cfg, tp=tp, pp=pp, vpp=vpp,
-                                sequence_parallel=parallel.sequence_parallel if parallel else False,
+    config = transformer_config(arch, family, cfg, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel,
                                 stage_layers=stage_layer_counts(arch.num_layers, pp, stage_layers),
                                 initialize=not load_weights, ep=ep, **(config_overrides or {}))
-    spec = layer_spec(family, _resolve_impl(cfg, moe=arch.is_moe), arch.num_experts or None)
+    impl = _resolve_impl(cfg, moe=arch.is_moe)
+    spec = layer_spec(family, impl, arch.num_experts or None)
     chunks = []
     for vp_stage in range(vpp or 1):
         vp = vp_stage if vpp else None
         gpt = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            config=config, vocab_size=padded,
+            transformer_layer_spec=block_spec(spec, config, vp) if sequence_parallel and impl == "local" else spec,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -203,7 +206,15 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         # 'hybrid': E4M3 forward, E5M2 gradients; the recipe picks the scaling (delayed/tensorwise/...)
         fields.update(fp8="hybrid", fp8_recipe=cfg.fp8)
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    # megatron refuses variable_seq_lengths (pipeline stages sending each micro-batch's shape
+    # first) with the allgather token dispatcher, because its all-gather needs equally many tokens
+    # from every rank of the expert group; megadiv's micro-batches have that (Policy's
+    # _expert_group_widths brings micro-batch i of every expert-parallel rank to one width), so
+    # the flag is set after megatron's validation. A dense model never dispatches.
+    variable_seq_lengths = fields.pop("variable_seq_lengths", False)
+    config = TransformerConfig(**fields)
+    config.variable_seq_lengths = variable_seq_lengths
+    return config
 
 
 def moe_fields(arch: ArchSpec, ep: int) -> dict:
@@ -221,10 +232,11 @@ def moe_fields(arch: ArchSpec, ep: int) -> dict:
         moe_router_topk=arch.moe_router_topk, moe_router_score_function="softmax",
         moe_router_pre_softmax=not arch.moe_norm_topk_prob,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=None,
-        # allgather: every EP rank gathers the group's tokens and runs its own experts on them; the
-        # alltoall dispatcher needs CUDA streams. SequentialMLP experts (one MLP per expert; grouped
-        # GEMMs need CUDA or Transformer Engine).
-        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        # alltoall sends each token to its experts' ranks only (megatron's default on GPUs); on the
+        # CPU, where its CUDA streams do not exist, allgather: every EP rank gathers the group's
+        # tokens and runs its own experts on them. SequentialMLP experts (one MLP per expert;
+        # grouped GEMMs need CUDA or Transformer Engine).
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather", moe_grouped_gemm=False,
         expert_model_parallel_size=ep)
 
 
@@ -240,18 +252,19 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def check_expert_parallel(arch: ArchSpec, tp: int, ep: int) -> None:
+def check_expert_parallel(arch: ArchSpec, tp: int, ep: int, sequence_parallel: bool) -> None:
     """The layouts megadiv builds a model at: EP dividing a mixture-of-experts model's experts,
-    TP = 1 with experts; EP = 1 for a dense model."""
+    sequence parallelism with experts at TP > 1 (megatron's MoE layer refuses to train without
+    it); EP = 1 for a dense model."""
     if not arch.is_moe:
         if ep > 1:
             raise ConfigError(f"expert_parallel={ep} needs a mixture-of-experts model; {arch.family} is dense")
         return
     if arch.num_experts % ep:
         raise ConfigError(f"expert_parallel={ep} does not divide the {arch.num_experts} experts of this model")
-    if tp > 1:
-        raise ConfigError(f"tensor_parallel={tp} with a mixture-of-experts model is not supported yet (megatron needs "
-                          f"sequence parallelism for MoE with TP > 1); use tensor_parallel=1 and expert_parallel")
+    if tp > 1 and not sequence_parallel:
+        raise ConfigError(f"tensor_parallel={tp} with a mixture-of-experts model needs sequence_parallel=true "
+                          f"(megatron's MoE layer trains with TP > 1 under sequence parallelism only)")
 
 
 def mark_tensor_parallel(module: torch.nn.Module) -> None:
@@ -301,6 +314,42 @@ def layer_spec(family: Family, impl: str, num_experts: int | None = None):
                           "importable here (pip install 'megadiv[gpu]' on a CUDA machine); use "
                           "transformer_impl=local, without fp8")
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_layernorm)
+
+
+def block_spec(layer: "ModuleSpec", config: "TransformerConfig", vp_stage: int | None):  # noqa: F821
+    """The local spec's transformer block under sequence parallelism: every norm (the layers',
+    their q/k norms and the final one) a :class:`SequenceParallelTorchNorm`."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = copy.deepcopy(layer)
+    attention = layer.submodules.self_attention.submodules
+    for parent, name in ((layer.submodules, "input_layernorm"), (layer.submodules, "pre_mlp_layernorm"),
+                         (attention, "q_layernorm"), (attention, "k_layernorm")):
+        if getattr(parent, name) is not IdentityOp:
+            setattr(parent, name, SequenceParallelTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
+class SequenceParallelTorchNorm:
+    """megatron's torch norm (WrappedTorchNorm) in a model with sequence parallelism, which
+    megatron refuses for it: under SP each TP rank normalises its slice of the sequence, so the
+    weight's gradient is a partial sum that must be summed over TP, and megatron's
+    finalize_model_grads sums exactly the parameters marked ``sequence_parallel`` (as Transformer
+    Engine's norms mark theirs). Built as without SP (the normalisation of one token does not
+    depend on it), its parameters marked. The q/k norms, which see whole sequences of this rank's
+    heads, are summed over TP with or without SP."""
+
+    def __new__(cls, config: "TransformerConfig", hidden_size: int, eps: float = 1e-5, **kwargs):  # noqa: F821
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
 
 
 def _resolve_impl(cfg: ModelConfig, moe: bool = False) -> str:

@@ -90,9 +90,8 @@ class Policy:
                               "parallel.virtual_pipeline or group_by_length=False")
         overrides = {"calculate_per_token_loss": True}
         if self.group_by_length and parallel_cfg.pipeline_parallel > 1:
-            # micro-batches of different shapes: the pipeline stages send each other the shape first.
-            # (megatron refuses that flag with its default MoE token dispatcher, even in a dense model)
-            overrides |= {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+            # micro-batches of different shapes: the pipeline stages send each other the shape first
+            overrides |= {"variable_seq_lengths": True}
         if routing_replay:
             overrides |= {"moe_enable_routing_replay": True}
         self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
@@ -105,6 +104,8 @@ class Policy:
                               "model.transformer_impl=local)")
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        # the ranks that each hold a slice of every sequence between the attention blocks
+        self.sequence_parallel_group = self.tp_group if parallel_cfg.sequence_parallel else None
         self.expert_group = (parallel_state.get_expert_model_parallel_group() if parallel_cfg.expert_parallel > 1
                              else None)
         self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
@@ -121,12 +122,13 @@ class Policy:
             if not self.model.arch.is_moe or self.pack_sequences:
                 raise ConfigError("routing replay needs a mixture-of-experts model fed padded micro-batches "
                                   f"({model_cfg.hf_dir} is {self.model.arch.family}, packed: {self.pack_sequences})")
-            self.routing_replay = RoutingReplay(self.model.chunks, self.model.arch.moe_router_topk)
+            self.routing_replay = RoutingReplay(self.model.chunks, self.model.arch.moe_router_topk,
+                                                self.sequence_parallel_group)
         if role == "actor":
             self._init_training(optim_cfg or OptimConfig(), total_steps)
             if self.model.arch.is_moe:
-                self.router_stats = RouterStats(self.chunks, parallel_state.get_data_parallel_group(), self.device,
-                                                replayed=routing_replay)
+                self.router_stats = RouterStats(self.chunks, self.model.arch.num_layers, self.device,
+                                                self.sequence_parallel_group, replayed=routing_replay)
 
     def _init_training(self, optim: OptimConfig, total_steps: int) -> None:
         from megatron.core import parallel_state

@@ -15,7 +15,10 @@ Per MoE layer, over the step's N tokens (every data-parallel replica's), with ro
                                                               are those replayed (1: no drift)
 
 reported as the mean over layers (load_max: the most loaded expert of any layer), per train
-step (the loop averages its mini-batches). They are measurements only: the load-balancing and
+step (the loop averages its mini-batches). Each rank counts the tokens its routers see: under
+sequence parallelism its slice of the sequence, under pipeline parallelism its stage's layers;
+the sums are added over all ranks, where tensor-parallel ranks without sequence parallelism
+count the same tokens alike (every figure is a ratio of two such sums, unchanged by that). They are measurements only: the load-balancing and
 z-losses are off (models/builder.moe_fields), as RL trainers run MoE models.
 """
 from __future__ import annotations
@@ -28,21 +31,25 @@ import torch.distributed as dist
 
 class RouterStats:
     """Forward hooks on every router of ``chunks`` that, inside :meth:`reading`, add the
-    statistics above of the positions given; :meth:`metrics` reduces them over ``group``."""
+    statistics above of the positions given; :meth:`metrics` adds them over all ranks.
+    ``layers``: the model's (all pipeline stages'); ``sequence_parallel_group``: the TP group
+    whose ranks each hold a slice of the sequence (None: whole sequences)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], group, device: torch.device, replayed: bool = False):
+    def __init__(self, chunks: list[torch.nn.Module], layers: int, device: torch.device,
+                 sequence_parallel_group=None, replayed: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
-        self.group, self.device, self.replayed = group, device, replayed
+        self.device, self.replayed = device, replayed
+        self.slice_rank = dist.get_rank(sequence_parallel_group) if sequence_parallel_group is not None else 0
         config = self.routers[0].config
         self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
         self.index: torch.Tensor | None = None
         # per layer: [sum_t logsumexp^2, tokens, sum_t softmax (E), assignments per expert (E),
         # sum_t of the own top-k experts the routing used]
-        self.sums = torch.zeros(len(self.routers), 3 + 2 * self.experts, dtype=torch.float64, device=device)
-        for layer, router in enumerate(self.routers):
-            router.register_forward_hook(self._hook(layer))
+        self.sums = torch.zeros(layers, 3 + 2 * self.experts, dtype=torch.float64, device=device)
+        for router in self.routers:
+            router.register_forward_hook(self._hook(router.layer_number - 1))  # megatron's: global, from 1
 
     def _hook(self, layer: int):
         def record(router, args, output) -> None:
@@ -50,13 +57,19 @@ class RouterStats:
                 return
             hidden, (_, routing_map) = args[0], output
             with torch.no_grad():
-                # megatron's [s, b, h] flattened as the ModelInput index counts positions
-                logits = router.gating(hidden.reshape(-1, hidden.shape[-1])[self.index]).double()
+                # megatron's [s, b, h] flattened as the ModelInput index counts positions; this
+                # rank's slice of s (sequence parallelism) is the index's [lo, lo + n) part
+                hidden = hidden.reshape(-1, hidden.shape[-1])
+                lo = self.slice_rank * len(hidden)
+                index = self.index[(self.index >= lo) & (self.index < lo + len(hidden))] - lo
+                if not len(index):  # no response position in this rank's slice
+                    return
+                logits = router.gating(hidden[index]).double()
                 row = self.sums[layer]
                 row[0] += logits.logsumexp(-1).square().sum()
-                row[1] += len(self.index)
+                row[1] += len(index)
                 row[2:2 + self.experts] += logits.softmax(-1).sum(0)
-                used = routing_map[self.index]
+                used = routing_map[index]
                 row[2 + self.experts:2 + 2 * self.experts] += used.sum(0)
                 if self.replayed:  # else the routing used is the routers' own top-k
                     row[-1] += used.gather(1, logits.topk(self.topk).indices).sum()
@@ -72,10 +85,10 @@ class RouterStats:
             self.index = None
 
     def metrics(self) -> dict[str, float]:
-        """The statistics since the last call, over every replica's tokens (collective over
-        ``group``); then start again."""
+        """The statistics since the last call, over every replica's tokens and every layer
+        (collective over all ranks); then start again."""
         sums, self.sums = self.sums, torch.zeros_like(self.sums)
-        dist.all_reduce(sums, group=self.group)
+        dist.all_reduce(sums)
         tokens = sums[:, 1].clamp(min=1)
         mean_prob = sums[:, 2:2 + self.experts] / tokens[:, None]
         share = sums[:, 2 + self.experts:2 + 2 * self.experts] / (tokens[:, None] * self.topk)  # f_e

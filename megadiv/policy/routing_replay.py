@@ -13,28 +13,34 @@ The choices are megatron-core's own (``moe_enable_routing_replay``: a RouterRepl
 that records or replays the top-k indices). This module keeps them per row of the batch,
 ``SequenceBatch.routing`` [B, S, layers, k], so that training micro-batches grouped and padded
 differently from the recording pass find theirs. Positions no row holds (padding) get experts
-0..k-1, distinct as the dispatcher needs; no loss reads them.
+0..k-1, distinct as the dispatcher needs; no loss reads them. Under sequence parallelism a
+router sees its rank's slice of the sequence: the slices recorded are gathered over the TP group,
+and each rank replays its own. Under pipeline parallelism each stage records and replays its own
+layers (the batch's routing holds those on each rank).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from megadiv.policy.batches import ModelInput
 
 
 class RoutingReplay:
     """Records and replays the top-k expert indices of every router of ``chunks`` (built with
-    ``moe_enable_routing_replay``), one padded micro-batch at a time."""
+    ``moe_enable_routing_replay``), one padded micro-batch at a time. ``sequence_parallel_group``:
+    the TP group whose ranks each route a slice of the sequence (None: whole sequences)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], topk: int):
+    def __init__(self, chunks: list[torch.nn.Module], topk: int, sequence_parallel_group=None):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.actions = RouterReplayAction
         self.replays = [m.router_replay for chunk in chunks for m in chunk.modules()
                         if getattr(m, "router_replay", None) is not None]
         self.topk = topk
+        self.slices = sequence_parallel_group
 
     @contextmanager
     def recording(self, x: ModelInput, into: list[torch.Tensor]):
@@ -46,6 +52,10 @@ class RoutingReplay:
             width = x.tokens.shape[1]
             # megatron routes [s, b] positions flattened: position t of row i is index t * b + i
             chosen = torch.stack([r.get_recorded_indices() for r in self.replays], 1)  # [w * b, layers, k]
+            if self.slices is not None:  # this rank's slice of the positions: [w * b / TP, layers, k]
+                parts = [torch.empty_like(chosen) for _ in range(dist.get_world_size(self.slices))]
+                dist.all_gather(parts, chosen, group=self.slices)
+                chosen = torch.cat(parts)
             into.append(chosen.view(width, x.rows, len(self.replays), self.topk).transpose(0, 1).to(torch.int16))
         finally:
             self._clear()
@@ -55,6 +65,8 @@ class RoutingReplay:
         """Route this forward of ``x`` by ``routing`` [b, S, layers, k] (its rows' recorded choices)."""
         width = x.tokens.shape[1]
         chosen = self.fit(routing, width).transpose(0, 1).reshape(width * x.rows, len(self.replays), self.topk)
+        if self.slices is not None:  # this rank's slice of the sequence, the same positions of every row
+            chosen = chosen.chunk(dist.get_world_size(self.slices))[dist.get_rank(self.slices)]
         for layer, r in enumerate(self.replays):
             r.set_target_indices(chosen[:, layer].long())
             r.set_router_replay_action(self.actions.REPLAY_FORWARD)

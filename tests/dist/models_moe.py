@@ -269,3 +269,57 @@ def make_moe_models(root) -> dict[str, str]:
              "moe3": dict(family="qwen3_moe", head_dim=16, ffn=32, experts=3, experts_per_token=2),
              "dense": dict(family="qwen3")}
     return {name: str(make_tiny_model(root / name, **spec)) for name, spec in specs.items()}
+
+
+def _gradients(policy) -> dict[str, torch.Tensor]:
+    """The policy's gradients (DDP's reduced main_grad) as HF tensors: exported in place of the
+    weights, gathered over TP, EP and PP as they are; the weights restored after."""
+    params = [p for chunk in policy.chunks for p in chunk.parameters()]
+    weights = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(p.main_grad)
+        grads = {n: t for bucket in policy.export_buckets(64 << 20) for n, t in bucket}
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    return grads
+
+
+# name -> ParallelConfig fields of the 4-rank layouts compared with EP=1 (DP=4)
+LAYOUTS = {"ep1": {}, "ep2": dict(expert_parallel=2),
+           "tp2-ep2": dict(tensor_parallel=2, sequence_parallel=True, expert_parallel=2),
+           "pp2-ep2": dict(pipeline_parallel=2, expert_parallel=2)}
+
+
+def layouts(ctx) -> dict:
+    """The trainer's Policy with R2 routing replay at each of LAYOUTS on 4 ranks, the 8 skewed rows
+    (tests/dist/token_budget.py) split over the DP replicas: old log-probs (recording the routing),
+    two unclipped SGD steps (the second replays routing the first step has moved the routers away
+    from), and each step's gradients as HF tensors (_gradients)."""
+    from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+    from megadiv.divergence import PolicyLossConfig
+    from megadiv.parallel import initialize, shutdown
+    from megadiv.policy.megatron import Policy
+    from megadiv.policy.objectives import grpo_objective
+    from tests.dist.token_budget import RESPONSE_LENGTHS, skewed_batch
+
+    model = ModelConfig(hf_dir=ctx.args["models"]["moe"])
+    objective = grpo_objective(PolicyLossConfig(policy_loss="clip"))
+    out = {}
+    for name, fields in LAYOUTS.items():
+        shutdown(keep_default_group=True)
+        parallel = ParallelConfig(**fields)
+        info = initialize(parallel)
+        per = len(RESPONSE_LENGTHS) // info.dp_size
+        rows = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
+        batch = skewed_batch().rows(rows)
+        actor = Policy(model, parallel, "actor", OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), 1,
+                       routing_replay=True)
+        batch.logp_old = actor.log_probs(batch, 2, record_routing=True)
+        steps, grads = [], []
+        for _ in range(2):
+            steps.append(actor.train_step(batch, objective, 2))
+            grads.append(_gradients(actor))
+        out[name] = {"rows": [rows.start, rows.stop], "logp_old": batch.logp_old, "steps": steps, "grads": grads}
+    shutdown(keep_default_group=True)
+    return out

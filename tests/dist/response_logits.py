@@ -3,9 +3,6 @@ against the output layer applied to every position and the response positions pi
 (what the policy computed before), on real megatron-core (gloo), the same weights and rows."""
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager, nullcontext
-
 import torch
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
@@ -36,28 +33,6 @@ class FullLogitsPolicy(Policy):
         return out.transpose(0, 1).flatten(0, 1)[x.index][None]  # megatron's [s, b] order, then the n rows
 
 
-@contextmanager
-def norms_under_sequence_parallelism():
-    """Megatron's local spec refuses sequence parallelism for its torch norms (WrappedTorchNorm),
-    because it would not all-reduce their weights' gradients over TP; on CPU there is no other
-    norm. Built here as if SP were off, they normalise each token as they should, and both paths
-    compared share them: what differs, the output layer's rows, sits after them."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    new = WrappedTorchNorm.__new__
-
-    def without_sp(cls, config, *args, **kwargs):
-        config = copy.copy(config)
-        config.sequence_parallel = False
-        return new(cls, config, *args, **kwargs)
-
-    WrappedTorchNorm.__new__ = without_sp
-    try:
-        yield
-    finally:
-        WrappedTorchNorm.__new__ = new
-
-
 def batch() -> SequenceBatch:
     """Long prompts (8-20 tokens), short responses (1-6); the last two rows without response tokens
     (e.g. grpo.mask_truncated), so that a padded micro-batch holds no response position at all."""
@@ -75,9 +50,8 @@ def _run(policy_cls, model: ModelConfig, parallel: ParallelConfig, rows: Sequenc
     > 0), with and without a full-vocabulary regulariser."""
     micro = dict(temperature=0.7, max_tokens_per_micro_batch=budget)
     mbs = MBS if budget is None else ROW_CAP
-    with norms_under_sequence_parallelism() if parallel.sequence_parallel else nullcontext():
-        reference = policy_cls(model, parallel, "reference", **micro)
-        actor = policy_cls(model, parallel, "actor", SGD, total_steps=1, **micro)
+    reference = policy_cls(model, parallel, "reference", **micro)
+    actor = policy_cls(model, parallel, "actor", SGD, total_steps=1, **micro)
     rows = rows.rows(slice(0, len(rows)))
     rows.logp_ref = reference.log_probs(rows, mbs)
     logp_old = actor.log_probs(rows, mbs)
