@@ -469,18 +469,6 @@ def test_make_tiny_model_verb_writes_a_qwen3_moe(tmp_path, capsys):
     assert "--experts-per-token 3 must be in 1..--experts 2" in capsys.readouterr().err
 
 
-def test_plan_refuses_moe_for_now(models, tmp_path, capsys):
-    from pathlib import Path
-
-    from megadiv.cli import main
-
-    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "grpo.yaml"
-    rc = main(["plan", str(tiny), f"run.output_dir={tmp_path}", "warm_start.make_model=none",
-               "--hf-config", str(Path(models["moe"]) / "config.json"),
-               "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gib", "80"])
-    assert rc == 2 and "does not count expert parameters yet" in capsys.readouterr().err
-
-
 def test_pp2_logits_and_export(two):
     last = [r for r in two if "pp2_logit_diff" in r]
     assert len(last) == 1 and last[0]["pp2_logit_diff"] <= LOGIT_TOL, last

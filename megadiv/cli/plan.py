@@ -1,9 +1,10 @@
 """``megadiv plan CONFIG... --nodes N --gpus-per-node G --gpu-memory-gib M [--hf-config FILE] [--json]``.
 
 Per-GPU memory of a run before it is launched (megadiv.models.plan): by component for the
-configured TP x PP (DP is what the world leaves), whether it fits, and the smallest TP x PP that
-fits. The architecture comes from ``model.hf_dir/config.json``, or before the checkpoint is on disk
-from ``--hf-config FILE`` or the recipe model's public config in examples/hf_configs/ (stand_in.py).
+configured TP x PP (DP is what the world leaves; with experts the configured EP), whether it fits,
+and the smallest TP x PP (with experts, and EP) that fits. The architecture comes from
+``model.hf_dir/config.json``, or before the checkpoint is on disk from ``--hf-config FILE`` or the
+recipe model's public config in examples/hf_configs/ (stand_in.py).
 """
 from __future__ import annotations
 
@@ -46,9 +47,6 @@ def run(args: argparse.Namespace) -> int:
         with hf_config_stand_in(args) as (note, _):
             cfg = load_train_config(args, world)
             arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
-            if arch.is_moe:  # megadiv.models.plan counts dense layers only
-                raise ConfigError(f"{cfg.model.hf_dir} is a mixture-of-experts model ({arch.family}): megadiv plan "
-                                  f"does not count expert parameters yet (docs/models.md, Mixture of experts)")
     except (ConfigError, OSError, ValueError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
@@ -68,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
             return None
 
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
-    configured = plan_for(Layout(tp, pp, cfg.parallel.data_parallel_size(world)), stage_layers)
+    configured = plan_for(Layout(tp, pp, cfg.parallel.data_parallel_size(world), cfg.parallel.expert_parallel),
+                          stage_layers)
     if configured is None:
         print(f"megadiv: invalid config: the batch (grpo.prompts_per_step x rollout.n_samples / grpo.mini_batches) "
               f"does not split into whole grpo.micro_batch_size={cfg.grpo.micro_batch_size} micro-batches over "
@@ -83,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
             "smallest_fitting_layout": smallest.as_dict()["layout"] if smallest else None}, indent=2))
     else:
         print(table(configured, args, cfg))
-        print(f"smallest TP x PP that fits on {world} GPUs of {args.gpu_memory_gib:g} GiB: "
+        searched = "TP x PP x EP" if arch.is_moe else "TP x PP"
+        print(f"smallest {searched} that fits on {world} GPUs of {args.gpu_memory_gib:g} GiB: "
               + (f"{smallest.layout} ({smallest.worst.total / GiB:.1f} GiB per GPU)" if smallest else "none"))
     return 0
 
@@ -117,6 +117,7 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         distributed_optimizer=cfg.optim.distributed_optimizer, reference=cfg.needs_reference,
         log_probs_chunk=cfg.grpo.log_probs_chunk, sequence_parallel=cfg.parallel.sequence_parallel,
         spec="local" if cfg.model.transformer_impl == "local" else "te",
+        recompute_method=cfg.model.recompute_method, recompute_num_layers=cfg.model.recompute_num_layers or 0,
         server_fraction=cfg.rollout.mem_fraction_static if colocated else 0.0, reserve_bytes=reserve_bytes,
         bucket_bytes=cfg.rollout.bucket_bytes, rank0_bucket_copies=int(servers > 0) + int(broadcasts),
         # one broadcast group spans the fleet; without one (tensor, disk) each member's sync thread

@@ -1,4 +1,4 @@
-"""Memory planner: what one GPU holds for a model at a TP x PP x DP layout, before launching.
+"""Memory planner: what one GPU holds for a model at a TP x PP x DP (x EP) layout, before launching.
 
     arch = arch_from_hf_config(json.load(open("Qwen2.5-32B/config.json")))
     plan = plan_layout(arch, Layout(tp=8, pp=2, dp=1), Workload(micro_batch_size=2, seq_len=2048))
@@ -10,14 +10,19 @@ pipeline stage (the padded vocabulary, TP shards, the tied output copy on the la
 in DDP's contiguous buffers (``distributed/param_and_grad_buffer.py``: reverse order, with the
 distributed optimizer each parameter start padded to 64 elements and each bucket end to
 lcm(DP, 128), the shared embedding in its own bucket), and the distributed optimizer's DP shard of
-every bucket (``optimizer/distrib_optimizer.py``). tests/test_plan.py checks these numbers against
-what megatron allocates on CPU, exactly.
+every bucket (``optimizer/distrib_optimizer.py``). A mixture-of-experts layer holds its router and
+num_experts/EP local experts; under EP > 1 these experts' weights sit in DDP buffers of their own,
+reduced and sharded over the expert-data-parallel group of DP/EP ranks
+(``distributed_data_parallel.py``: parameters without ``allreduce``). tests/test_plan.py and
+tests/test_plan_moe.py check these numbers against what megatron allocates on CPU, exactly.
 
 Activations are the tensors saved for backward per micro-batch, written term by term from what the
 layers keep (formulas in :func:`layer_activation_bytes`, per token); "local" is megatron's local
 spec (the CPU tier: unfused attention with the [b, heads, s, s] softmax, torch norms in fp32),
 "te" Transformer Engine (GPU: flash attention, fused norm + linear). The local formula is checked
 against the saved tensors on CPU (within 25%); the TE one follows the same accounting unverified.
+A mixture-of-experts layer's router, token dispatch and experts are counted at the expected even
+load (each token's top-k rows spread evenly over the experts), checked on CPU at TP=1 (EP=1, 2).
 """
 from __future__ import annotations
 
@@ -43,9 +48,19 @@ class Layout:
     tp: int
     pp: int
     dp: int
+    ep: int = 1
+    """Expert-parallel ranks: data-parallel ranks splitting the experts (num_experts/EP each); the
+    experts' own tensor parallelism is TP (megatron's default expert_tensor_parallel_size)."""
+
+    def __post_init__(self):
+        if min(self.tp, self.pp, self.dp, self.ep) < 1 or self.dp % self.ep:
+            raise ValueError(f"{self}: sizes must be >= 1 and EP must divide DP (EP ranks are DP ranks)")
 
     def __str__(self) -> str:
-        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}"
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")
+
+    def as_dict(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,11 @@ class Workload:
     sequence_parallel: bool = False
     spec: Literal["te", "local"] = "te"
     """Layer implementation the activations are counted for (GPU: Transformer Engine)."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """model.recompute_method with full recompute (None: every layer keeps its activations;
+    selective recompute is counted as none, an upper bound)."""
+    recompute_num_layers: int = 0
+    """model.recompute_num_layers: layers per checkpointed group (uniform) or per stage (block)."""
     server_fraction: float = 0.0
     """GPU memory fraction a colocated SGLang server reserves (rollout.mem_fraction_static)."""
     bucket_bytes: int = 0
@@ -104,12 +124,17 @@ class Param:
     numel: int
     shared_embedding: bool = False
     """megatron's flag for a tied embedding split over the first and last stages (own DDP bucket)."""
+    allreduce: bool = True
+    """megatron's flag, False for an expert weight under EP > 1: its gradient is reduced over the
+    expert-data-parallel group (DP/EP ranks), in DDP buffers of its own."""
 
 
 def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: list[int] | None = None,
-                 vocab_multiple: int = VOCAB_MULTIPLE) -> list[Param]:
-    """One TP rank's parameters of pipeline ``stage``, in megatron's registration order (local spec;
-    Transformer Engine fuses the norms into the linear layers: same sizes, other names)."""
+                 vocab_multiple: int = VOCAB_MULTIPLE, ep: int = 1) -> list[Param]:
+    """One TP (and EP) rank's parameters of pipeline ``stage``, in megatron's registration order
+    (local spec; Transformer Engine fuses the norms into the linear layers: same sizes, other names).
+    A mixture-of-experts layer has, in place of the MLP, a router [E, h] replicated over TP and its
+    E/EP local experts, each split over TP as the dense MLP is (fc1 by columns, fc2 by rows)."""
     family = FAMILIES[arch.family]
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
@@ -131,8 +156,16 @@ def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: lis
             out += [Param(layer + "self_attention.q_layernorm.weight", d),
                     Param(layer + "self_attention.k_layernorm.weight", d)]
         out.append(Param(layer + "pre_mlp_layernorm.weight", h))
-        out.append(Param(layer + "mlp.linear_fc1.weight", 2 * f // tp * h))
-        out.append(Param(layer + "mlp.linear_fc2.weight", h * f // tp))
+        if arch.is_moe:
+            out.append(Param(layer + "mlp.router.weight", arch.num_experts * h))
+            fe = arch.moe_ffn_hidden_size
+            for j in range(arch.num_experts // ep):
+                expert = f"{layer}mlp.experts.local_experts.{j}."
+                out += [Param(expert + "linear_fc1.weight", 2 * fe // tp * h, allreduce=ep == 1),
+                        Param(expert + "linear_fc2.weight", h * fe // tp, allreduce=ep == 1)]
+        else:
+            out.append(Param(layer + "mlp.linear_fc1.weight", 2 * f // tp * h))
+            out.append(Param(layer + "mlp.linear_fc2.weight", h * f // tp))
     if last:
         out.append(Param("decoder.final_layernorm.weight", h))
         if not arch.tie_word_embeddings or pp > 1:  # tied at PP=1: the embedding itself
@@ -220,7 +253,7 @@ class StateBytes:
     """Bytes megatron allocates on one rank for the actor's weights and their training state."""
 
     weights: int
-    """Model weights (params_dtype): DDP's param buffer under the distributed optimizer."""
+    """Model weights (params_dtype): DDP's param buffers under the distributed optimizer."""
     grads: int
     """DDP's fp32 gradient buffer (grad_reduce_in_fp32)."""
     main_params: int
@@ -228,21 +261,34 @@ class StateBytes:
     optimizer: int
     """fp32 optimizer state of this rank's shard: Adam's exp_avg and exp_avg_sq, SGD's momentum
     buffer (megatron's default sgd_momentum 0.9)."""
+    expert_weights: int = 0
+    """Of ``weights``, the expert-parallel buffers' (EP > 1)."""
 
 
 def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0,
-                distributed_optimizer: bool | None = None) -> StateBytes:
+                distributed_optimizer: bool | None = None, ep: int = 1, expert_dp_rank: int = 0) -> StateBytes:
     """Actor state on one rank (megadiv.policy.megatron: megatron's distributed optimizer where
-    ``optim.distributed_optimizer`` puts it, by default with Adam at DP > 1; the plain one otherwise)."""
+    ``optim.distributed_optimizer`` puts it, by default with Adam at DP > 1; the plain one otherwise).
+    Parameters without ``allreduce`` (experts under EP > 1) are laid out in buffers of their own and
+    sharded over the expert-data-parallel group (DP/EP ranks; this rank ``expert_dp_rank`` there)."""
     distributed = OptimConfig(optimizer=optimizer, distributed_optimizer=distributed_optimizer).shards_state(dp)
-    layout = buffer_layout(params, distributed, dp)
     e = DTYPE_BYTES[params_dtype]
-    owned = optimizer_shard_numel(layout, dp, dp_rank) if distributed else sum(p.numel for p in params)
+    buffered = weights = owned = expert_weights = 0
+    for group, size, rank in (([p for p in params if p.allreduce], dp, dp_rank),
+                              ([p for p in params if not p.allreduce], dp // ep, expert_dp_rank)):
+        if not group:  # megatron builds no buffer for an empty group
+            continue
+        layout = buffer_layout(group, distributed, size)
+        numel = sum(p.numel for p in group)
+        buffered += layout.numel
+        weights += (layout.numel if distributed else numel) * e
+        owned += optimizer_shard_numel(layout, size, rank) if distributed else numel
+        if not group[0].allreduce:
+            expert_weights = (layout.numel if distributed else numel) * e
     return StateBytes(
-        weights=(layout.numel if distributed else sum(p.numel for p in params)) * e,
-        grads=layout.numel * 4,
+        weights=weights, grads=buffered * 4,
         main_params=owned * 4 if params_dtype != "float32" else 0,
-        optimizer=owned * (8 if optimizer == "adam" else 4))
+        optimizer=owned * (8 if optimizer == "adam" else 4), expert_weights=expert_weights)
 
 
 # --------------------------------------------------------------------------- activations
@@ -263,19 +309,32 @@ def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_l
     te (Transformer Engine, flash attention; fused norms keep input + normalised output):
         norms 2 (2eh + 4) + q, k, v (a+2g)de + output ade + softmax statistics 4a + SwiGLU 3fe
         + QK-norm (a+g)de + 4(a+g) (Qwen3).
+    mixture of experts, in place of the SwiGLU term (either spec: megatron's MoE layer, the token
+    dispatcher and SequentialMLP are the same modules), with E experts, top-k, F the expert width
+    per TP rank and H the full hidden width: whatever EP, an even load puts k rows per token of the
+    sequence on this rank's E/EP experts (the EP group gathers EP x the tokens; 1/EP of their k
+    rows are local), each keeping its permuted input eH and the SwiGLU-with-probabilities
+    intermediates 6Fe, and its probability e:
+        k (eH + 6Fe + e) + routing map E (bool) and masked probabilities Ee + top-k probabilities
+        4k, top-k and permutation indices 16k.
     """
     e = DTYPE_BYTES[params_dtype]
     family = FAMILIES[arch.family]
     h = arch.hidden_size // (tp if sequence_parallel else 1)
     a, g, d = arch.num_attention_heads // tp, arch.num_query_groups // tp, arch.head_dim
     f, s, b = arch.ffn_hidden_size // tp, seq_len, micro_batch_size
+    if arch.is_moe:
+        k, fe = arch.moe_router_topk, arch.moe_ffn_hidden_size // tp
+        mlp = k * (e * arch.hidden_size + 6 * fe * e + e) + arch.num_experts * (1 + e) + 4 * k + 16 * k
+    else:
+        mlp = (5 if spec == "local" else 3) * f * e
     if spec == "local":
         v = a * d * e if a > g else (a + 2 * g) * d * e
         per_token = (2 * (8 * h + 4) + 2 * e * h + 2 * a * d * e + v + 4 * a * s + e * a * s + a * d * e
-                     + 5 * f * e + family.qk_layernorm * (8 * (a + g) * d + 4 * (a + g)))
+                     + mlp + family.qk_layernorm * (8 * (a + g) * d + 4 * (a + g)))
         per_sequence = s * s + 4 * s * d * e
         return b * s * per_token + per_sequence
-    per_token = (2 * (2 * e * h + 4) + (a + 2 * g) * d * e + a * d * e + 4 * a + 3 * f * e
+    per_token = (2 * (2 * e * h + 4) + (a + 2 * g) * d * e + a * d * e + 4 * a + mlp
                  + family.qk_layernorm * ((a + g) * d * e + 4 * (a + g)))
     return b * s * per_token
 
@@ -315,16 +374,19 @@ MODEL_SPACE_OPTIMIZER_BYTES = 3 * 4
 exp_avg, exp_avg_sq): what the 'fully_reshardable' checkpoint format gathers on every DP rank's host."""
 
 
-def host_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int) -> dict[str, int]:
+def host_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, ep: int = 1) -> dict[str, int]:
     """Host memory of one rank for a checkpoint save (megadiv.trainer.checkpoint): with the
     distributed optimizer its state gathered in model space (every DP rank, megatron's
-    'fully_reshardable' without the memory-efficient exchange), and the rank's share of the
-    weights (and a plain optimizer's state) staged for the background writer (the fully parallel
-    save deals what the DP replicas hold in common over them: 1/DP each)."""
+    'fully_reshardable' without the memory-efficient exchange; its local experts' only), and the
+    rank's share of the weights (and a plain optimizer's state) staged for the background writer
+    (the fully parallel save deals what the replicas hold in common over them: 1/DP of the dense
+    weights each, 1/(DP/EP) of the experts')."""
     numel = sum(p.numel for p in params)
     gathered = numel * MODEL_SPACE_OPTIMIZER_BYTES if optimizer == "adam" else 0
-    staged = numel * DTYPE_BYTES[params_dtype] + (numel * 4 if optimizer == "sgd" else 0)
-    return {"optimizer_state_gathered": gathered, "checkpoint_staging": -(-staged // dp)}
+    per_element = DTYPE_BYTES[params_dtype] + (4 if optimizer == "sgd" else 0)
+    staged = sum(-(-n * per_element // size) for n, size in (
+        (sum(p.numel for p in params if p.allreduce), dp), (sum(p.numel for p in params if not p.allreduce), dp // ep)))
+    return {"optimizer_state_gathered": gathered, "checkpoint_staging": staged}
 
 
 # --------------------------------------------------------------------------- the plan
@@ -347,7 +409,8 @@ class Plan:
     layout: Layout
     parameters: int
     weight_bytes_per_replica: int
-    """Weight bytes summed over the TP x PP GPUs of one replica (padding and replicated norms included)."""
+    """Weight bytes of one copy of the model: summed over its TP x PP GPUs, and the experts over the
+    EP ranks that split them (padding and replicated norms included)."""
     stages: list[StagePlan]
     gpu_bytes: int
     activations_with_recompute: int
@@ -377,7 +440,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         w = self.worst
-        return {"layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp},
+        return {"layout": self.layout.as_dict(),
                 "parameters": self.parameters, "weight_bytes_per_replica": self.weight_bytes_per_replica,
                 "gpu_bytes": self.gpu_bytes, "fits": self.fits, "worst_stage": w.stage,
                 "per_gpu_bytes": w.total, "components": dict(w.components),
@@ -392,17 +455,19 @@ class Plan:
 def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
                 stage_layers: list[int] | None = None) -> Plan:
     """Per-GPU memory of every pipeline stage of ``layout`` (DP rank 0's optimizer shard, which is
-    the largest: shards are cut from the buffer start)."""
+    the largest: shards are cut from the buffer start; at EP > 1 expert-DP rank 0's too)."""
     counts = stage_layer_counts(arch.num_layers, layout.pp, stage_layers)
     in_flight = min(layout.pp, work.micro_batches_in_flight)
     b, s, dt = work.micro_batch_size, work.seq_len, work.params_dtype
     per_layer = layer_activation_bytes(arch, layout.tp, b, s, dt, work.spec, work.sequence_parallel)
+    layer_input = b * s * arch.hidden_size // (layout.tp if work.sequence_parallel else 1) * DTYPE_BYTES[dt]
     stages, replica_weights, recompute = [], 0, 0
     for stage, layers in enumerate(counts):
         first, last = stage == 0, stage == layout.pp - 1
-        params = stage_params(arch, layout.tp, layout.pp, stage, stage_layers)
-        state = state_bytes(params, dt, work.optimizer, layout.dp, distributed_optimizer=work.distributed_optimizer)
-        replica_weights += state.weights * layout.tp
+        params = stage_params(arch, layout.tp, layout.pp, stage, stage_layers, ep=layout.ep)
+        state = state_bytes(params, dt, work.optimizer, layout.dp, distributed_optimizer=work.distributed_optimizer,
+                            ep=layout.ep)
+        replica_weights += (state.weights + state.expert_weights * (layout.ep - 1)) * layout.tp
         boundary = boundary_activation_bytes(arch, layout.tp, b, s, dt, work.spec, first, last)
         # 1F1B: stage i holds min(PP - i, micro-batches) micro-batches' activations at its peak
         held = max(1, min(layout.pp - stage, work.micro_batches_in_flight)) if layout.pp > 1 else 1
@@ -411,7 +476,8 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
         components = {
             "weights": state.weights, "main_params_fp32": state.main_params, "grads_fp32": state.grads,
             "optimizer_states": state.optimizer,
-            "activations": held * (layers * per_layer + boundary),
+            "activations": held * (stage_layer_activations(layers, per_layer, layer_input, work) + boundary)
+                           + recomputed_layers(layers, work) * per_layer,
             "logits": logits, "log_prob_chunk": chunk,
             "reference_weights": sum(p.numel for p in params) * DTYPE_BYTES[dt] if work.reference else 0,
             # a launched server sits on global rank 0's node: GPUs of the first stage (ranks are tp-dp-pp)
@@ -422,10 +488,9 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
             "reserve": work.reserve_bytes,
         }
         stages.append(StagePlan(stage, layers, components))
-        token_inputs = held * layers * b * s * arch.hidden_size * DTYPE_BYTES[dt]
-        recompute = max(recompute, token_inputs + per_layer + held * boundary)
-    first_params = stage_params(arch, layout.tp, layout.pp, 0, stage_layers)
-    host = host_bytes(first_params, dt, work.optimizer, layout.dp) | {"batch": work.batch_host_bytes}
+        recompute = max(recompute, held * (layers * layer_input + boundary) + per_layer)
+    first_params = stage_params(arch, layout.tp, layout.pp, 0, stage_layers, ep=layout.ep)
+    host = host_bytes(first_params, dt, work.optimizer, layout.dp, layout.ep) | {"batch": work.batch_host_bytes}
     notes = []
     if in_flight > 1:
         notes.append(f"1F1B keeps up to {in_flight} micro-batches of activations on the first stage")
@@ -433,15 +498,40 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
                 work.host_bytes_per_rank, notes)
 
 
+def stage_layer_activations(layers: int, per_layer: int, layer_input: int, work: Workload) -> int:
+    """What a stage's ``layers`` keep for backward per micro-batch in flight: every layer's
+    activations; with full recompute a checkpointed group (uniform: each group of N layers; block:
+    each of the first N layers) keeps only its input [b, s, h] (h/TP under sequence parallelism)."""
+    n = work.recompute_num_layers
+    if work.recompute_method == "uniform":
+        return -(-layers // n) * layer_input
+    if work.recompute_method == "block":
+        return min(n, layers) * layer_input + max(0, layers - n) * per_layer
+    return layers * per_layer
+
+
+def recomputed_layers(layers: int, work: Workload) -> int:
+    """Layers whose activations the backward of one checkpointed group rebuilds at once (held
+    beside the kept ones while it runs): N for uniform, 1 for block, none without recompute."""
+    if work.recompute_method == "uniform":
+        return min(work.recompute_num_layers, layers)
+    return int(work.recompute_method == "block" and layers > 0)
+
+
 def candidate_layouts(arch: ArchSpec, world: int, gpus_per_node: int) -> list[Layout]:
-    """Every TP x PP that megadiv can build on ``world`` GPUs, smallest model-parallel size first
-    (then smaller PP): TP within a node and dividing the heads, KV heads and MLP width."""
+    """Every TP x PP (x EP) that megadiv can build on ``world`` GPUs, smallest model-parallel size
+    first (then smaller PP, then larger EP: experts split further for the same GPUs): TP within a
+    node and dividing the heads, KV heads and MLP width (the experts' with experts); for a
+    mixture-of-experts model every power-of-two EP dividing the experts and DP."""
     out = []
+    width = arch.moe_ffn_hidden_size if arch.is_moe else arch.ffn_hidden_size
     for tp in range(1, gpus_per_node + 1):
-        if (gpus_per_node % tp or arch.num_query_groups % tp or arch.num_attention_heads % tp
-                or arch.ffn_hidden_size % tp):
+        if gpus_per_node % tp or arch.num_query_groups % tp or arch.num_attention_heads % tp or width % tp:
             continue
         for pp in range(1, arch.num_layers + 1):
-            if world % (tp * pp) == 0:
-                out.append(Layout(tp, pp, world // (tp * pp)))
-    return sorted(out, key=lambda lay: (lay.tp * lay.pp, lay.pp))
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            eps = [1 << i for i in range(dp.bit_length()) if not dp % (1 << i) and not arch.num_experts % (1 << i)]
+            out += [Layout(tp, pp, dp, ep) for ep in (eps if arch.is_moe else [1])]
+    return sorted(out, key=lambda lay: (lay.tp * lay.pp, lay.pp, -lay.ep))
