@@ -52,9 +52,8 @@ class ParallelConfig:
     expert_parallel: int = 1
     """Expert-parallel ranks of a mixture-of-experts model: each holds num_experts / expert_parallel
     of every MoE layer's experts. They are data-parallel ranks (the data-parallel size must be a
-    multiple); the rest of the model is replicated over them. ``megadiv train`` takes MoE models at
-    tensor_parallel = pipeline_parallel = 1 with the embedded engine (docs/models.md, Mixture of
-    experts)."""
+    multiple); the rest of the model is replicated over them. With tensor_parallel > 1 each expert
+    is split over TP too, and sequence_parallel is required (docs/models.md, Mixture of experts)."""
     timeout_s: float = 600.0
     """Timeout of every collective; a dead peer fails the run after this long instead of hanging it."""
     allow_untested_megatron: bool = False

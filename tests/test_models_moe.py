@@ -69,19 +69,25 @@ def test_unsupported_moe_configs_are_refused(models, extra, message):
         arch_from_hf_config({**cfg, **extra})
 
 
-def test_logits_equal_transformers(one):
-    assert one["logit_diff"] <= LOGIT_TOL, one["logit_diff"]
-    assert one["padding_logit_max"] == 0.0
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_logits_equal_transformers(one, family):
+    r = one if family == "qwen3_moe" else one["shared"]
+    assert r["logit_diff"] <= LOGIT_TOL, r["logit_diff"]
+    assert r["padding_logit_max"] == 0.0
 
 
-def test_export_and_views_are_bit_exact(one):
-    assert one["expert_tensors"] == 2 * 8 * 3  # layers x experts x (gate, up, down)
-    assert one["export_exact"] and one["views_exact"] and one["buckets"] > 1
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_export_and_views_are_bit_exact(one, family):
+    r = one if family == "qwen3_moe" else one["shared"]
+    assert r["expert_tensors"] == 2 * 8 * 3  # layers x experts x (gate, up, down)
+    assert r["export_exact"] and r["views_exact"] and r["buckets"] > 1
 
 
-def test_hf_megatron_hf_roundtrip_bit_exact(one):
-    assert one["cli_rc"] == (0, 0)
-    assert one["roundtrip_exact"]
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_hf_megatron_hf_roundtrip_bit_exact(one, family):
+    r = one if family == "qwen3_moe" else one["shared"]
+    assert r["cli_rc"] == (0, 0)
+    assert r["roundtrip_exact"]
 
 
 def test_planned_parameter_count_equals_megatrons_and_transformers(models, one, two):
@@ -124,6 +130,7 @@ def _check_ep2_vs_ep1(results: list[dict]):
 
 def test_ep2_log_probs_and_gradients_equal_ep1(two):
     _check_ep2_vs_ep1(two)
+    _check_ep2_vs_ep1([r["shared"] for r in two])  # the Qwen2-MoE: shared expert and its gate too
 
 
 @pytest.mark.slow  # the 4-rank launch on 2 cores
@@ -478,12 +485,12 @@ def test_pp2_logits_and_export(two):
 @pytest.mark.slow  # a 4-rank launch on 2 cores
 def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
     """EP=2, TP=2 x EP=2 with sequence parallelism and PP=2 x EP=2 (4 ranks: DP 4, 2, 2) against
-    EP=1 at DP=4, the trainer's Policy with routing replay on the same 8 rows: old log-probs, the
+    EP=1 at DP=4 (the Qwen3-MoE; the Qwen2-MoE at TP=2 x EP=2), the trainer's Policy with routing replay on the same 8 rows: old log-probs, the
     two steps' losses, router metrics and grad norms, and the second step's gradients (routed by
     the routing recorded before the first step, which moved the routers: replay_agreement < 1).
-    Observed: log-probs within 2e-6, gradients within 8 float32 ulps of each tensor's largest
-    entry at the first step and 20 at the second (sums in another order, at weights the first
-    step rounded differently)."""
+    Observed: log-probs within 2e-6, gradients within 8.7 float32 ulps of each tensor's largest
+    entry at the first step (the Qwen2-MoE's k bias at TP=2: a sum over every position) and 19.6
+    at the second (sums in another order, at weights the first step rounded differently)."""
     ranks = _launch("layouts", 4, models, tmp_path_factory)
     logp = {}  # layout -> {row: log-probs}, from the ranks that hold them (the last stage)
     for r in ranks:
@@ -491,10 +498,10 @@ def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
             if run["logp_old"] is not None:
                 for i, row in zip(range(*run["rows"]), run["logp_old"]):
                     logp.setdefault(name, {})[i] = row
-    ep1 = ranks[0]["ep1"]
-    for name in ("ep2", "tp2-ep2", "pp2-ep2"):
+    for name, reference in (("ep2", "ep1"), ("tp2-ep2", "ep1"), ("pp2-ep2", "ep1"), ("shared-tp2-ep2", "shared-ep1")):
+        ep1 = ranks[0][reference]
         assert sorted(logp[name]) == list(range(8)), name
-        assert max(float((logp[name][i] - logp["ep1"][i]).abs().max()) for i in range(8)) < 2e-6, name
+        assert max(float((logp[name][i] - logp[reference][i]).abs().max()) for i in range(8)) < 2e-6, name
         for r in ranks:
             run = r[name]
             for a, b in zip(run["steps"], ep1["steps"]):
@@ -506,5 +513,6 @@ def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
                 ulps = {k: float((grads[k] - ref[k]).abs().max() / ref[k].abs().max()) / 1.19e-7 for k in ref}
                 worst = max(ulps, key=ulps.get)
                 # the second step's gradients are taken at weights already rounded differently
-                assert ulps[worst] <= ULPS * (1 + 3 * step), (name, step, worst, ulps[worst])
-    assert ep1["steps"][0]["router/replay_agreement"] == 1.0 > ep1["steps"][1]["router/replay_agreement"]
+                assert ulps[worst] <= (12, 32)[step], (name, step, worst, ulps[worst])
+    for ep1 in (ranks[0]["ep1"], ranks[0]["shared-ep1"]):
+        assert ep1["steps"][0]["router/replay_agreement"] == 1.0 > ep1["steps"][1]["router/replay_agreement"]

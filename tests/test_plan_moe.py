@@ -66,6 +66,23 @@ def _assert_planned_state_is_megatrons(records: list[dict], hf_dir: str) -> None
                             "optimizer": state.optimizer}, (r["tp"], r["pp"], r["ep"], r["opt"], r["dp_rank"])
 
 
+def test_a_shared_expert_is_planned_as_megatron_allocates_it(tmp_path_factory):
+    """The Qwen2-MoE (a gated shared expert beside the routed ones) at DP=2 x EP=2, Adam: the
+    per-rank parameter list and state bytes equal megatron's; the parameter count transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from megadiv.models.plan import parameter_count
+    from megadiv.models.tiny import make_tiny_model
+
+    hf_dir = str(make_tiny_model(tmp_path_factory.mktemp("plan-shared") / "shared", family="qwen2_moe", head_dim=16,
+                                 ffn=32, experts=8, experts_per_token=2))
+    records = _allocations(hf_dir, 2, [(1, 1, 2, "adam")])
+    _assert_planned_state_is_megatrons(records, hf_dir)
+    assert all(sum(".shared_experts." in n for n, *_ in r["params"]) == 2 * 3 for r in records)  # layers x 3
+    arch = arch_from_hf_config(load_hf_config(hf_dir))
+    assert parameter_count(arch) == AutoModelForCausalLM.from_pretrained(hf_dir).num_parameters()
+
+
 def test_planned_parameters_gradients_and_optimizer_state_equal_megatrons(two, tiny_moe):
     _assert_planned_state_is_megatrons(two, tiny_moe)
     assert {(r["tp"], r["pp"], r["ep"], r["opt"], r["dp"]) for r in two} == {lay + (2 // lay[1],) for lay in LAYOUTS_2}
@@ -136,6 +153,20 @@ def test_moe_recipes_fit_on_8_gpu_nodes_of_80_gb(capsys, model, algorithm, small
     assert abs(plan["weight_bytes_per_replica"] / (2 * plan["parameters"]) - 1) < 0.01  # bf16, the experts once
     assert (plan["components"]["reference_weights"] > 0) == (algorithm == "prob_l2")
     assert plan["smallest_fitting_layout"]["ep"] > 1
+
+
+@pytest.mark.parametrize("model", sorted(RECIPES_MOE))
+@pytest.mark.parametrize("algorithm", ["dapo", "kl3", "prob_l2"])
+def test_moe_recipes_pass_check_config_at_their_node_counts(capsys, tmp_path, model, algorithm):
+    """check-config (train's preflight, without the weights: the public config stands in) takes
+    each MoE recipe x algorithm at both node counts it is planned on."""
+    from megadiv.cli import main
+
+    for nodes in RECIPES_MOE[model][2]:
+        rc = main(["check-config", *recipe_args(model, algorithm, nodes)[:-6], f"run.output_dir={tmp_path}",
+                   "--world-size", str(8 * nodes)])
+        err = capsys.readouterr().err
+        assert rc == 0, (nodes, err)
 
 
 def test_the_table_shows_expert_parallelism(capsys):

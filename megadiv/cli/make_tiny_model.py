@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=None, help="per-head width (qwen3 may differ from hidden/heads)")
-    parser.add_argument("--ffn", type=int, default=128, help="MLP width (qwen3_moe: of each expert)")
+    parser.add_argument("--ffn", type=int, default=128, help="MLP width (MoE: of each routed expert)")
     parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                         help="tie embeddings and lm_head (default: the family's, tied for qwen2/qwen3)")
     parser.add_argument("--rope-theta", type=float, default=10000.0)
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", default=None,
                         help="split the safetensors into files of this size (e.g. 200KB) to exercise sharded loading")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--experts", type=int, default=4, help="qwen3_moe only: routed experts per layer")
-    parser.add_argument("--experts-per-token", type=int, default=2, help="qwen3_moe only: experts each token uses")
+    parser.add_argument("--experts", type=int, default=4, help="qwen3_moe, qwen2_moe only: routed experts per layer")
+    parser.add_argument("--experts-per-token", type=int, default=2, help="qwen3_moe, qwen2_moe only: experts each token uses")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -218,7 +218,7 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
 
 
 def moe_fields(arch: ArchSpec, ep: int) -> dict:
-    """The TransformerConfig fields of a Qwen3-MoE layer, routed as transformers routes it.
+    """The TransformerConfig fields of a Qwen3-MoE / Qwen2-MoE layer, routed as transformers routes it.
 
     HF: p = softmax(x W_gate^T) over all E experts, keep the top k, and with norm_topk_prob
     divide them by their sum. Megatron's softmax router with moe_router_pre_softmax=False takes
@@ -237,7 +237,10 @@ def moe_fields(arch: ArchSpec, ep: int) -> dict:
         # tokens and runs its own experts on them. SequentialMLP experts (one MLP per expert;
         # grouped GEMMs need CUDA or Transformer Engine).
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather", moe_grouped_gemm=False,
-        expert_model_parallel_size=ep)
+        expert_model_parallel_size=ep,
+        # a shared expert (Qwen2-MoE): out = experts(x) + sigmoid(x W_g) * mlp_shared(x)
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_hidden_size or None,
+        moe_shared_expert_gate=arch.moe_shared_expert_hidden_size > 0)
 
 
 def _define_te_general_gemm() -> None:

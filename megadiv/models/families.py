@@ -5,13 +5,16 @@ Transformer Engine spelling; ``{i}`` is the global layer index, ``{e}`` the glob
 is built from the HF tensors ``hf`` (names with ``{i}`` and ``{e}``, each with its full shape in
 symbols) fused by ``layout`` (megadiv.models.sharding). Shape symbols: V vocabulary, H hidden,
 F MLP width, D head width, Q = heads*D (query rows), KV = key/value heads*D, E routed experts,
-M one expert's MLP width.
+M one expert's MLP width, S the shared expert's MLP width.
 
 Mixture-of-experts layers (megatron's MoELayer with SequentialMLP experts): the router is
 ``mlp.router.weight`` [E, H] (HF ``mlp.gate.weight``), and expert g's MLP is
 ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2`` like a dense MLP's. Megatron numbers
 experts locally on each expert-parallel rank (``local_experts.0 ..``); megadiv's canonical names
 use the global index g = ep_rank * local_experts + i (megadiv.models.loading.megatron_params).
+A shared expert (Qwen2-MoE) is megatron's SharedExpertMLP ``mlp.shared_experts.linear_fc1/
+linear_fc2``, split over TP like a dense MLP, and its sigmoid gate ``mlp.shared_experts.gate_weight``
+[1, H] (HF ``mlp.shared_expert_gate.weight``).
 
 Tables list the pre-layer rules, then the per-layer rules, then the post-layer rules: that is
 also the order in which the exporter yields tensors. Adding a family = one table + one entry in
@@ -61,7 +64,8 @@ class Rule:
     def hf_shapes(self, arch: ArchSpec) -> list[tuple[int, ...]]:
         sizes = {"V": arch.vocab_size, "H": arch.hidden_size, "F": arch.ffn_hidden_size, "D": arch.head_dim,
                  "Q": arch.num_attention_heads * arch.head_dim, "KV": arch.num_query_groups * arch.head_dim,
-                 "E": arch.num_experts, "M": arch.moe_ffn_hidden_size}
+                 "E": arch.num_experts, "M": arch.moe_ffn_hidden_size, "S": arch.moe_shared_expert_hidden_size,
+                 "1": 1}
         return [tuple(sizes[s] for s in shape) for _, shape in self.hf]
 
     def instances(self, arch: ArchSpec) -> list[tuple[int | None, int | None]]:
@@ -80,7 +84,9 @@ class Family:
     """RMSNorm over each head's queries and keys before RoPE (Qwen3)."""
     rules: tuple[Rule, ...]
     moe: bool = False
-    """Every layer's MLP is a mixture of routed experts (no shared expert)."""
+    """Every layer's MLP is a mixture of routed experts."""
+    shared_expert: bool = False
+    """... plus a gated shared expert (moe only)."""
 
     def rules_for(self, arch: ArchSpec) -> tuple[Rule, ...]:
         """The rules of this checkpoint: with tied embeddings the output layer is a copy of the
@@ -127,6 +133,14 @@ _EXPERT_FC1 = Rule(_layer(_EXPERT + "linear_fc1.weight"), Layout.GATE_UP, (
     (_hf_layer("mlp.experts.{e}.up_proj.weight"), ("M", "H"))))
 _EXPERT_FC2 = Rule(_layer(_EXPERT + "linear_fc2.weight"), Layout.ROW,
                    ((_hf_layer("mlp.experts.{e}.down_proj.weight"), ("H", "M")),))
+_SHARED = "mlp.shared_experts."
+_SHARED_FC1 = Rule(_layer(_SHARED + "linear_fc1.weight"), Layout.GATE_UP, (
+    (_hf_layer("mlp.shared_expert.gate_proj.weight"), ("S", "H")),
+    (_hf_layer("mlp.shared_expert.up_proj.weight"), ("S", "H"))))
+_SHARED_FC2 = Rule(_layer(_SHARED + "linear_fc2.weight"), Layout.ROW,
+                   ((_hf_layer("mlp.shared_expert.down_proj.weight"), ("H", "S")),))
+_SHARED_GATE = Rule(_layer(_SHARED + "gate_weight"), Layout.REPLICATED,
+                    ((_hf_layer("mlp.shared_expert_gate.weight"), ("1", "H")),))
 _FINAL_NORM = Rule("decoder.final_layernorm.weight", Layout.REPLICATED, (("model.norm.weight", ("H",)),))
 _LM_HEAD = Rule("output_layer.weight", Layout.VOCAB, (("lm_head.weight", ("V", "H")),))
 
@@ -142,9 +156,15 @@ QWEN3 = Family("qwen3", qkv_bias=False, qk_layernorm=True, rules=(
 QWEN3_MOE = Family("qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=True, rules=(
     _EMBED, _INPUT_NORM, _QKV, _Q_NORM, _K_NORM, _O_PROJ, _POST_NORM, _ROUTER, _EXPERT_FC1, _EXPERT_FC2,
     _FINAL_NORM, _LM_HEAD))
+# Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2 attention (q/k/v biases), every MLP routed
+# experts plus one gated shared expert.
+QWEN2_MOE = Family("qwen2_moe", qkv_bias=True, qk_layernorm=False, moe=True, shared_expert=True, rules=(
+    _EMBED, _INPUT_NORM, _QKV, _QKV_BIAS, _O_PROJ, _POST_NORM, _ROUTER, _EXPERT_FC1, _EXPERT_FC2,
+    _SHARED_FC1, _SHARED_FC2, _SHARED_GATE, _FINAL_NORM, _LM_HEAD))
 
 # HF model_type -> family (Qwen2.5 checkpoints say "qwen2")
-FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+FAMILIES: dict[str, Family] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen2_moe": QWEN2_MOE,
+                               "qwen3_moe": QWEN3_MOE}
 
 
 @dataclass(frozen=True)
@@ -206,13 +226,15 @@ def arch_from_hf_config(cfg: dict) -> ArchSpec:
         refuse("hidden_act", "megadiv builds SwiGLU MLPs")
     if cfg.get("mlp_bias", False):
         refuse("mlp_bias", "the supported families have bias-free MLPs")
-    if cfg.get("attention_bias", family.qkv_bias) != family.qkv_bias:
-        refuse("attention_bias", f"{model_type} checkpoints have attention_bias={family.qkv_bias}")
+    bias_key = "qkv_bias" if "qkv_bias" in cfg else "attention_bias"  # Qwen2-MoE's spelling, the others'
+    if cfg.get(bias_key, family.qkv_bias) != family.qkv_bias:
+        refuse(bias_key, f"{model_type} checkpoints have {bias_key}={family.qkv_bias}")
     if cfg.get("use_sliding_window", False):
         refuse("use_sliding_window", "megatron's attention here is full causal")
-    moe = _moe_fields(cfg, model_type) if family.moe else {}
+    moe = _moe_fields(cfg, family) if family.moe else {}
     if not family.moe and (cfg.get("num_experts") or cfg.get("num_local_experts")):
-        refuse("num_experts", f"{model_type} is a dense family; mixture-of-experts checkpoints are qwen3_moe")
+        refuse("num_experts", f"{model_type} is a dense family; mixture-of-experts checkpoints are "
+                              f"{', '.join(n for n, f in FAMILIES.items() if f.moe)}")
 
     theta, factor = _rope(cfg, model_type)
     heads = cfg["num_attention_heads"]
@@ -244,9 +266,10 @@ def arch_from_hf_config(cfg: dict) -> ArchSpec:
     )
 
 
-def _moe_fields(cfg: dict, model_type: str) -> dict:
-    """The ArchSpec MoE fields of a Qwen3-MoE config; refuses layouts megadiv does not build (dense
-    layers between the MoE layers, shared experts)."""
+def _moe_fields(cfg: dict, family: Family) -> dict:
+    """The ArchSpec MoE fields of a Qwen3-MoE or Qwen2-MoE config; refuses layouts megadiv does not
+    build (dense layers between the MoE layers, a shared expert the family has not)."""
+    model_type = family.name
     # transformers 5.x writes num_local_experts (num_experts is an alias); released checkpoints num_experts
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if not experts:
@@ -255,13 +278,15 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
         raise ConfigError(f"{model_type} config: decoder_sparse_step={cfg.get('decoder_sparse_step', 1)}, "
                           f"mlp_only_layers={cfg.get('mlp_only_layers')} is not supported (megadiv builds every "
                           f"layer as a MoE layer: decoder_sparse_step 1, no mlp_only_layers)")
-    if cfg.get("shared_expert_intermediate_size"):
-        raise ConfigError(f"{model_type} config: shared experts are not supported")
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if bool(shared) != family.shared_expert:
+        raise ConfigError(f"{model_type} config: shared_expert_intermediate_size={shared}: {model_type} layers have "
+                          + ("a shared expert (> 0)" if family.shared_expert else "no shared experts"))
     topk = cfg["num_experts_per_tok"]
     if not 1 <= topk <= experts:
         raise ConfigError(f"{model_type} config: num_experts_per_tok={topk} must be in 1..num_experts={experts}")
     return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_shared_expert_hidden_size=shared)
 
 
 def _rope(cfg: dict, model_type: str) -> tuple[float, float | None]:

@@ -46,6 +46,9 @@ class ArchSpec:
     """MLP width of one expert (HF ``moe_intermediate_size``)."""
     moe_norm_topk_prob: bool = False
     """Whether the top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
+    moe_shared_expert_hidden_size: int = 0
+    """MLP width of the shared expert every token passes through beside its routed ones, its output
+    scaled by sigmoid(x W_g) with W_g [1, H] (HF ``shared_expert_intermediate_size``, Qwen2-MoE); 0: none."""
 
     @property
     def is_moe(self) -> bool:

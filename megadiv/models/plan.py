@@ -163,6 +163,10 @@ def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: lis
                 expert = f"{layer}mlp.experts.local_experts.{j}."
                 out += [Param(expert + "linear_fc1.weight", 2 * fe // tp * h, allreduce=ep == 1),
                         Param(expert + "linear_fc2.weight", h * fe // tp, allreduce=ep == 1)]
+            if arch.moe_shared_expert_hidden_size:  # its own gate first, then its MLP split over TP
+                fs, shared = arch.moe_shared_expert_hidden_size, f"{layer}mlp.shared_experts."
+                out += [Param(shared + "gate_weight", h), Param(shared + "linear_fc1.weight", 2 * fs // tp * h),
+                        Param(shared + "linear_fc2.weight", h * fs // tp)]
         else:
             out.append(Param(layer + "mlp.linear_fc1.weight", 2 * f // tp * h))
             out.append(Param(layer + "mlp.linear_fc2.weight", h * f // tp))
@@ -177,7 +181,8 @@ def parameter_count(arch: ArchSpec, active: bool = False) -> int:
     """Parameters of the Hugging Face model (true vocabulary, one copy of a tied embedding).
 
     A mixture-of-experts layer holds a router [E, H] and E experts of 3 H F_e each (gate, up,
-    down); ``active`` counts what one token passes through: the router and its top-k experts
+    down), and a shared expert of 3 H F_s with its gate [1, H] where there is one (Qwen2-MoE);
+    ``active`` counts what one token passes through: the router, its top-k experts, the shared one
     (the "A3B" of Qwen3-30B-A3B)."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
@@ -187,6 +192,8 @@ def parameter_count(arch: ArchSpec, active: bool = False) -> int:
     if arch.is_moe:
         experts = arch.moe_router_topk if active else arch.num_experts
         layer += arch.num_experts * h + experts * 3 * h * arch.moe_ffn_hidden_size
+        if arch.moe_shared_expert_hidden_size:  # every token's: its gate [1, H] and its MLP
+            layer += h + 3 * h * arch.moe_shared_expert_hidden_size
     else:
         layer += 3 * h * arch.ffn_hidden_size
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
@@ -326,6 +333,10 @@ def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_l
     if arch.is_moe:
         k, fe = arch.moe_router_topk, arch.moe_ffn_hidden_size // tp
         mlp = k * (e * arch.hidden_size + 6 * fe * e + e) + arch.num_experts * (1 + e) + 4 * k + 16 * k
+        # a shared expert (Qwen2-MoE): the dense SwiGLU term at its width, and its gate's logit and
+        # sigmoid (counted as the dense MLP is; not measured with one)
+        mlp += ((5 if spec == "local" else 3) * (arch.moe_shared_expert_hidden_size // tp) + 2) * e \
+            if arch.moe_shared_expert_hidden_size else 0
     else:
         mlp = (5 if spec == "local" else 3) * f * e
     if spec == "local":

@@ -11,11 +11,12 @@ anywhere changes the logits. The tokenizer is built with the ``tokenizers`` libr
 short built-in text); both carry ChatML special tokens and a chat template and load with
 ``AutoTokenizer.from_pretrained``.
 
-Families (TINY_FAMILIES): qwen2, qwen3, llama and qwen3_moe have Megatron mappings
+Families (TINY_FAMILIES): qwen2, qwen3, llama, qwen3_moe and qwen2_moe have Megatron mappings
 (megadiv.models.families); mistral and olmo2 have none and train with ``model.backend:
 deepspeed`` only (docs/deepspeed.md). qwen3_moe (a Qwen3-MoE: --experts routed experts of width
 --ffn in every layer, --experts-per-token of them per token, top-k probabilities renormalised as
-in Qwen3-30B-A3B) is not yet one ``warm_start.make_model`` makes (docs/models.md, MoE).
+in Qwen3-30B-A3B) and qwen2_moe (Qwen1.5-MoE's routing, not renormalised, plus a gated shared
+expert of width 2 x --ffn) are not yet ones ``warm_start.make_model`` makes (docs/models.md, MoE).
 
     megadiv make-tiny-model --family qwen3_moe --out ckpt/tiny-moe --experts 8 --experts-per-token 2
 """
@@ -25,6 +26,7 @@ import shutil
 import string
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -72,12 +74,15 @@ def _mistral(kwargs: dict, _options: dict) -> dict:
             "sliding_window": None}
 
 
-def _qwen3_moe(kwargs: dict, options: dict) -> dict:
+def _routed_experts(kwargs: dict, options: dict, norm_topk_prob: bool, shared_expert: bool = False) -> dict:
+    """Every layer a MoE layer of --experts experts of width --ffn; with ``shared_expert`` one of
+    twice that width beside them (Qwen1.5-MoE's is four times)."""
     experts, topk = options["experts"], options["experts_per_token"]
     if not 1 <= topk <= experts:
         raise ValueError(f"--experts-per-token {topk} must be in 1..--experts {experts}")
+    shared = {"shared_expert_intermediate_size": 2 * kwargs["intermediate_size"]} if shared_expert else {}
     return {"num_experts": experts, "num_experts_per_tok": topk, "moe_intermediate_size": kwargs["intermediate_size"],
-            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+            "norm_topk_prob": norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [], **shared}
 
 
 TINY_FAMILIES: dict[str, TinyFamily] = {
@@ -87,7 +92,10 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # no Megatron mapping: DeepSpeed backend only
     "mistral": TinyFamily(tied=False, config=_mistral),
     "olmo2": TinyFamily(tied=False),  # post-norm blocks, RMSNorm over the whole q and k projections
-    "qwen3_moe": TinyFamily(tied=False, config=_qwen3_moe, warm_start=False),
+    "qwen3_moe": TinyFamily(tied=False, config=partial(_routed_experts, norm_topk_prob=True), warm_start=False),
+    # Qwen1.5-MoE's routing: the top-k of the softmax over all experts, not renormalised
+    "qwen2_moe": TinyFamily(tied=False, config=partial(_routed_experts, norm_topk_prob=False, shared_expert=True),
+                            warm_start=False),
 }
 FAMILIES = tuple(TINY_FAMILIES)
 

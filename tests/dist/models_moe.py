@@ -47,14 +47,19 @@ def _param_numel(model) -> dict[str, int]:
 
 
 def one_rank(ctx) -> dict:
-    """EP=1: logits against transformers, bit-exact export and HF tensor views, and the
-    HF -> megatron -> HF round trip through ``megadiv convert``."""
+    """EP=1, the Qwen3-MoE and (under "shared") the Qwen2-MoE: logits against transformers,
+    bit-exact export and HF tensor views, and the HF -> megatron -> HF round trip through
+    ``megadiv convert``."""
+    _layout(1)
+    return _whole_model(ctx, "moe") | {"shared": _whole_model(ctx, "shared")}
+
+
+def _whole_model(ctx, name: str) -> dict:
     from megadiv.cli import main
     from megadiv.models import build_model
     from megadiv.models.export import hf_weight_views
 
-    _layout(1)
-    hf_dir = ctx.args["models"]["moe"]
+    hf_dir = ctx.args["models"][name]
     results: dict = {}
     model = build_model(hf_dir, role="reference")
     tokens = _tokens(model.vocab_size)
@@ -69,7 +74,7 @@ def one_rank(ctx) -> dict:
     results["views_exact"] = _same_tensors(dict(hf_weight_views(model)), hf)
     results["expert_tensors"] = sum(".mlp.experts." in n for n in hf)
 
-    tmp = _shared_tmp(ctx, "convert")
+    tmp = _shared_tmp(ctx, f"convert-{name}")
     mcore, hf_out = tmp / "mcore", tmp / "hf"
     results["cli_rc"] = (main(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--out", str(mcore)]),
                          main(["convert", "megatron-to-hf", "--ckpt-dir", str(mcore), "--hf-template", hf_dir,
@@ -138,7 +143,8 @@ def two_ranks(ctx) -> dict:
     from megadiv.models import build_model, load_megatron_checkpoint, save_megatron_checkpoint
 
     hf_dir = ctx.args["models"]["moe"]
-    results: dict = {}
+    results: dict = {"shared": {}}
+    _ep2_vs_ep1(ctx, ctx.args["models"]["shared"], results["shared"])
     actor, tokens, ref_logits = _ep2_vs_ep1(ctx, hf_dir, results)
 
     # export at EP=2: every rank yields every expert, gathered over the EP group
@@ -261,11 +267,14 @@ def routing_replay(ctx) -> dict:
 
 def make_moe_models(root) -> dict[str, str]:
     """The tiny checkpoints (float32, random): ``moe`` a 2-layer Qwen3-MoE with 8 experts of width
-    32, top-2 with renormalised probabilities, head_dim 16, untied; ``moe3`` the same with 3
-    experts (EP=2 must be refused); ``dense`` a qwen3 (EP needs experts)."""
+    32, top-2 with renormalised probabilities, head_dim 16, untied; ``shared`` a Qwen2-MoE like
+    it (q/k/v biases, top-2 of the softmax not renormalised, a gated shared expert of width 64);
+    ``moe3`` the Qwen3-MoE with 3 experts (EP=2 must be refused); ``dense`` a qwen3 (EP needs
+    experts)."""
     from megadiv.models.tiny import make_tiny_model
 
     specs = {"moe": dict(family="qwen3_moe", head_dim=16, ffn=32, experts=8, experts_per_token=2),
+             "shared": dict(family="qwen2_moe", head_dim=16, ffn=32, experts=8, experts_per_token=2),
              "moe3": dict(family="qwen3_moe", head_dim=16, ffn=32, experts=3, experts_per_token=2),
              "dense": dict(family="qwen3")}
     return {name: str(make_tiny_model(root / name, **spec)) for name, spec in specs.items()}
@@ -285,10 +294,11 @@ def _gradients(policy) -> dict[str, torch.Tensor]:
     return grads
 
 
-# name -> ParallelConfig fields of the 4-rank layouts compared with EP=1 (DP=4)
-LAYOUTS = {"ep1": {}, "ep2": dict(expert_parallel=2),
-           "tp2-ep2": dict(tensor_parallel=2, sequence_parallel=True, expert_parallel=2),
-           "pp2-ep2": dict(pipeline_parallel=2, expert_parallel=2)}
+# name -> (model, ParallelConfig fields) of the 4-rank runs; each compared with its model's EP=1 (DP=4)
+TP2_EP2 = dict(tensor_parallel=2, sequence_parallel=True, expert_parallel=2)
+LAYOUTS = {"ep1": ("moe", {}), "ep2": ("moe", dict(expert_parallel=2)), "tp2-ep2": ("moe", TP2_EP2),
+           "pp2-ep2": ("moe", dict(pipeline_parallel=2, expert_parallel=2)),
+           "shared-ep1": ("shared", {}), "shared-tp2-ep2": ("shared", TP2_EP2)}
 
 
 def layouts(ctx) -> dict:
@@ -303,10 +313,10 @@ def layouts(ctx) -> dict:
     from megadiv.policy.objectives import grpo_objective
     from tests.dist.token_budget import RESPONSE_LENGTHS, skewed_batch
 
-    model = ModelConfig(hf_dir=ctx.args["models"]["moe"])
     objective = grpo_objective(PolicyLossConfig(policy_loss="clip"))
     out = {}
-    for name, fields in LAYOUTS.items():
+    for name, (hf, fields) in LAYOUTS.items():
+        model = ModelConfig(hf_dir=ctx.args["models"][hf])
         shutdown(keep_default_group=True)
         parallel = ParallelConfig(**fields)
         info = initialize(parallel)
