@@ -40,6 +40,24 @@ def test_replica_rows_round_trip_bit_exactly():
         assert torch.equal(getattr(batch, name), getattr(expected, name)), name
 
 
+def test_the_engines_routing_reaches_each_row_at_its_positions():
+    """R3: each row's engine routing [prompt + response - 1, layers, k] travels with its replica's
+    rows and lands at the row's first positions of SequenceBatch.routing; the rest (the last
+    token's, the padding) holds experts 0..k-1."""
+    from dataclasses import replace
+
+    exp = experience(1)
+    g = torch.Generator().manual_seed(0)
+    lengths = [len(p) + len(r) - 1 for p, r in zip(exp.prompts, exp.responses)]
+    exp = replace(exp, routing=[torch.randint(0, 8, (n, 3, 2), generator=g, dtype=torch.int16) for n in lengths])
+    batch = ReplicaRows.decode(ReplicaRows.from_experience(exp, [3, 0, 17]).encode()).to_batch(pad_id=0)
+    assert batch.routing.shape == (3, batch.tokens.shape[1], 3, 2) and batch.routing.dtype == torch.int16
+    for row, i in enumerate([3, 0, 17]):
+        assert torch.equal(batch.routing[row, :lengths[i]], exp.routing[i])
+        assert (batch.routing[row, lengths[i]:] == torch.tensor([0, 1], dtype=torch.int16)).all()
+    assert ReplicaRows.from_experience(experience(1), [0]).to_batch(pad_id=0).routing is None
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from megadiv.models.tiny import make_tiny_model

@@ -318,6 +318,9 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2")[0] == 0
     assert check(models["moe"], "parallel.expert_parallel=2", "--world-size", "2", "rollout.engine=sglang")[0] == 0
     assert check(models["moe"], "grpo.routing_replay=r2", "grpo.mini_batches=2")[0] == 0
+    assert check(models["moe"], "grpo.routing_replay=r3", "grpo.mini_batches=1")[0] == 0  # the engine's routing
+    rc, err = check(models["moe"], "grpo.routing_replay=r3", "rollout.engine=sglang")
+    assert rc == 2 and "only the embedded engine returns" in err, err
     for layout in (["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], ["parallel.pipeline_parallel=2"]):
         assert check(models["moe"], *layout, "parallel.expert_parallel=2", "--world-size", "4",
                      "grpo.routing_replay=r2", "grpo.mini_batches=2")[0] == 0, layout
@@ -346,6 +349,29 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
     with pytest.raises(ConfigError, match="parallel.expert_parallel=2 applies to model.backend=megatron only"):
         TrainConfig(model=ModelConfig(hf_dir=models["dense"], backend="deepspeed"),
                     parallel=ParallelConfig(expert_parallel=2))
+
+
+@pytest.mark.parametrize("name", ["moe", "shared"])
+def test_the_embedded_engine_returns_the_routing_it_generated_with(models, name):
+    """SamplingParams.return_routing: each completion's routing (R3) is, position by position, the
+    experts transformers' routers choose in one plain forward of prompt + response (the engine
+    ran the prompts left-padded, the prefill once per prompt for its n samples, then one token at
+    a time)."""
+    from megadiv.rollout.embedded import EmbeddedEngine, RoutedExperts
+    from megadiv.rollout.engine import SamplingParams
+
+    engine = EmbeddedEngine(models[name])
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    for n in (1, 3):
+        groups = engine.generate(prompts, SamplingParams(n=n, max_new_tokens=6, return_routing=True), seed=n)
+        for prompt, group in zip(prompts, groups):
+            for c in group:
+                with RoutedExperts(engine.model) as plain, torch.no_grad():
+                    engine.model(torch.tensor([prompt + c.token_ids]))
+                expected = plain.columns(1)[0, :-1]  # the last token's routing: no position needs it
+                assert c.routing.shape == expected.shape == (len(prompt) + len(c.token_ids) - 1, 2, 2)
+                assert torch.equal(c.routing.sort(-1).values, expected.sort(-1).values), (n, prompt)
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=2))[0][0].routing is None
 
 
 def test_the_embedded_engine_takes_expert_tensors_by_their_checkpoint_names(models, tmp_path):
@@ -386,7 +412,7 @@ def test_the_embedded_engine_takes_expert_tensors_by_their_checkpoint_names(mode
 def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(models, tmp_path):
     """``megadiv train`` of the tiny Qwen3-MoE: warm start, GRPO steps, evaluation, checkpoints
     and export, at EP=1 on one rank with R2 routing replay (the engine shares the dense weights,
-    copies the experts)
+    copies the experts), with R3 (the engine's routing: the trainer's own agrees with it)
     and at DP=2 x EP=2 (each rank exports every expert, gathered over EP). The probe after every
     sync checks that the engine scores with the trainer's weights. A run stopped at step 2 at
     EP=2 resumes at EP=1 (the expert shards re-dealt) and ends where the uninterrupted EP=2 run
@@ -402,6 +428,11 @@ def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(mod
     one = tmp_path / "one"  # with R2 routing replay (the config takes two mini-batches per step)
     megadiv_train(one, *moe, "grpo.steps=2", "checkpoint.every=0", "grpo.routing_replay=r2", nproc=1)
     assert all(0 < r["router/replay_agreement"] <= 1 for r in step_records(one))
+    # R3, one update per batch: the engine's routing replayed, on the weights that generated the rows
+    engine_routed = tmp_path / "r3"
+    megadiv_train(engine_routed, *moe, "grpo.steps=2", "checkpoint.every=0", "grpo.routing_replay=r3",
+                  "grpo.mini_batches=1", nproc=1)
+    assert all(r["router/replay_agreement"] >= 0.99 and r["skipped"] == 0 for r in step_records(engine_routed))
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     out = megadiv_train(straight, *moe, "grpo.steps=3", "parallel.expert_parallel=2")
     megadiv_train(resumed, *moe, "grpo.steps=3", "parallel.expert_parallel=2", "grpo.stop_after=2")
@@ -485,9 +516,11 @@ def test_pp2_logits_and_export(two):
 @pytest.mark.slow  # a 4-rank launch on 2 cores
 def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
     """EP=2, TP=2 x EP=2 with sequence parallelism and PP=2 x EP=2 (4 ranks: DP 4, 2, 2) against
-    EP=1 at DP=4 (the Qwen3-MoE; the Qwen2-MoE at TP=2 x EP=2), the trainer's Policy with routing replay on the same 8 rows: old log-probs, the
-    two steps' losses, router metrics and grad norms, and the second step's gradients (routed by
-    the routing recorded before the first step, which moved the routers: replay_agreement < 1).
+    EP=1 at DP=4 (the Qwen3-MoE; the Qwen2-MoE at TP=2 x EP=2), the trainer's Policy with routing
+    replay on the same 8 rows: old log-probs, the two steps' losses, router metrics and grad
+    norms, and each step's gradients (the second routed by the routing recorded before the first
+    step, which moved the routers: replay_agreement < 1). PP=2 x EP=2 replays EP=1's recording
+    of all layers, each stage its own (R3's path: the engine's routing comes with the batch).
     Observed: log-probs within 2e-6, gradients within 8.7 float32 ulps of each tensor's largest
     entry at the first step (the Qwen2-MoE's k bias at TP=2: a sum over every position) and 19.6
     at the second (sums in another order, at weights the first step rounded differently)."""

@@ -142,7 +142,8 @@ def _check_model_dir(hf_dir: Path, cfg: TrainConfig, check_weights: bool) -> Non
 def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     """The expert-parallel layout suits the model (models.builder.check_expert_parallel), and a
     mixture-of-experts model trains on megatron's local spec (the one megadiv maps experts of:
-    docs/models.md, Mixture of experts); routing replay needs experts."""
+    docs/models.md, Mixture of experts); routing replay needs experts, and R3 an engine that
+    returns its routing."""
     from megadiv.models.builder import check_expert_parallel
 
     p = cfg.parallel
@@ -155,6 +156,14 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
             raise ConfigError(f"grpo.routing_replay={cfg.grpo.routing_replay} needs a mixture-of-experts model; "
                               f"model.hf_dir={hf_dir} is {arch.family} (dense)")
         return
+    if cfg.grpo.routing_replay == "r3":
+        from megadiv.rollout import resolve_engine_name
+
+        engine = resolve_engine_name(cfg.rollout)
+        if engine != "embedded":
+            raise ConfigError(f"grpo.routing_replay=r3 replays the rollout engine's routing, which only the embedded "
+                              f"engine returns (SGLang's return_routed_experts is not wired); rollout.engine="
+                              f"{cfg.rollout.engine} runs {engine} here: use r2 or rollout.engine=embedded")
     if cfg.model.transformer_impl == "transformer_engine":
         raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
                           f"train one with model.transformer_impl=transformer_engine yet; use transformer_impl=local "

@@ -179,12 +179,15 @@ class SequenceBatch:
 
     @classmethod
     def pack(cls, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-             response_values: list[list[float]] | None = None, **fields) -> "SequenceBatch":
+             response_values: list[list[float]] | None = None, routing: list[torch.Tensor] | None = None,
+             **fields) -> "SequenceBatch":
         """Right-padded rows prompt + response; ``loss_mask`` (and ``logp_rollout`` from
         ``response_values``) sit on the positions that predict response tokens (prompts are never
-        empty). Built in host memory, in one pass: a boolean mask assignment fills a mask's
-        positions in row-major order, which is the order of the concatenated rows; the policy moves
-        each micro-batch to the model's device."""
+        empty). ``routing``: per row the experts of its first positions [n, layers, k] (an engine's:
+        Completion.routing), the rest of the row experts 0..k-1 as routing_replay.py pads. Built in
+        host memory, in one pass: a boolean mask assignment fills a mask's positions in row-major
+        order, which is the order of the concatenated rows; the policy moves each micro-batch to
+        the model's device."""
         host = torch.device("cpu")
         prompt_len = torch.tensor([len(p) for p in prompts], device=host)
         response_len = torch.tensor([len(r) for r in responses], device=host)
@@ -201,4 +204,9 @@ class SequenceBatch:
             values = torch.zeros(len(prompts), seq_len, device=host)
             values[predicts] = torch.tensor([v for row in response_values for v in row], dtype=torch.float32,
                                             device=host)
+        if routing is not None:
+            layers, k = routing[0].shape[1:]
+            fields["routing"] = torch.arange(k, dtype=torch.int16, device=host).repeat(len(prompts), seq_len, layers, 1)
+            for row, chosen in zip(fields["routing"], routing):
+                row[:len(chosen)] = chosen
         return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)

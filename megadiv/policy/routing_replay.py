@@ -16,7 +16,8 @@ differently from the recording pass find theirs. Positions no row holds (padding
 0..k-1, distinct as the dispatcher needs; no loss reads them. Under sequence parallelism a
 router sees its rank's slice of the sequence: the slices recorded are gathered over the TP group,
 and each rank replays its own. Under pipeline parallelism each stage records and replays its own
-layers (the batch's routing holds those on each rank).
+layers (the batch's routing holds those on each rank). R3: the rollout engine's routing of every
+layer (Completion.routing) arrives with the batch, and each stage takes its layers' from it.
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self.actions = RouterReplayAction
-        self.replays = [m.router_replay for chunk in chunks for m in chunk.modules()
-                        if getattr(m, "router_replay", None) is not None]
+        routers = [m for chunk in chunks for m in chunk.modules() if getattr(m, "router_replay", None) is not None]
+        self.replays = [m.router_replay for m in routers]
+        self.layers = [m.layer_number - 1 for m in routers]  # megatron's global layer numbers, from 1
         self.topk = topk
         self.slices = sequence_parallel_group
 
@@ -62,7 +64,10 @@ class RoutingReplay:
 
     @contextmanager
     def replaying(self, routing: torch.Tensor, x: ModelInput):
-        """Route this forward of ``x`` by ``routing`` [b, S, layers, k] (its rows' recorded choices)."""
+        """Route this forward of ``x`` by ``routing`` [b, S, layers, k] (its rows' recorded choices:
+        this stage's layers, or, from the rollout engine, all of the model's)."""
+        if routing.shape[2] != len(self.replays):
+            routing = routing[:, :, self.layers]
         width = x.tokens.shape[1]
         chosen = self.fit(routing, width).transpose(0, 1).reshape(width * x.rows, len(self.replays), self.topk)
         if self.slices is not None:  # this rank's slice of the sequence, the same positions of every row

@@ -22,6 +22,7 @@ by the first logits processor (:class:`ChosenLogProbs`), so a call holds one ste
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Iterable, Sequence
 
 import torch
@@ -91,7 +92,8 @@ class EmbeddedEngine:
         row_ids = torch.arange(first_prompt * params.n, (first_prompt + len(prompts)) * params.n)
         chosen = ChosenLogProbs(1.0 if greedy else params.temperature)
         processors = LogitsProcessorList([chosen] + ([] if greedy else sampling_processors(params, seed, row_ids, width)))
-        with cpu_compat.paused():  # transformers' code needs none of megatron's CPU redirections
+        routed = RoutedExperts(self.model) if params.return_routing else nullcontext()
+        with cpu_compat.paused(), routed:  # transformers' code needs none of megatron's CPU redirections
             cache = self._prefill(ids[:, :-1], mask[:, :-1], params.n) if params.n > 1 and width > 1 else None
             ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)  # [p0 x n, ..]
             out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
@@ -99,13 +101,18 @@ class EmbeddedEngine:
         new = out.sequences[:, width:]  # [rows, steps]
         token_logp = chosen.finish(new).cpu()
         new = new.cpu()
+        # [rows, width + steps - 1, layers, k]: every column the engine ran (the prefill's prompts repeated n times)
+        routing = routed.columns(len(ids)) if params.return_routing else None
         completions = []
         for i in range(len(ids)):
             tokens = new[i].tolist()
             end = next((j + 1 for j, t in enumerate(tokens) if t in stop), None)  # keep the stop token
             reason = "stop" if end is not None else "length"
             end = end or len(tokens)
-            completions.append(Completion(tokens[:end], token_logp[i, :end].tolist(), reason, self._version))
+            prompt = len(prompts[i // params.n])  # left-padded: its columns are width - prompt .. width - 1
+            completions.append(Completion(
+                tokens[:end], token_logp[i, :end].tolist(), reason, self._version,
+                routing=None if routing is None else routing[i, width - prompt:width + end - 1].clone()))
         return [completions[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, n: int):
@@ -227,6 +234,42 @@ class EmbeddedEngine:
 
 
 # --------------------------------------------------------------------------- seeded sampling
+
+
+class RoutedExperts:
+    """Inside a with-block, the experts every MoE block of a transformers model routes each
+    position to: a forward hook on each block's router (``mlp.gate``, whose forward returns
+    (logits, scores, top-k indices) for the [rows x seq, H] it is given) and on the block, which
+    sees the [rows, seq, H] shape. :meth:`columns` joins the forwards along the sequence."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        if not self.blocks:
+            raise RolloutError(f"{type(model).__name__} has no mixture-of-experts blocks: no routing to return")
+        self.chosen: list[torch.Tensor] = []  # per forward, per block: [rows, seq, k]
+        self._last: torch.Tensor | None = None
+
+    def __enter__(self) -> "RoutedExperts":
+        def gate(module, args, output):
+            self._last = output[2]
+
+        def block(module, args, output):
+            self.chosen.append(self._last.view(*args[0].shape[:2], -1).to(torch.int16).cpu())
+
+        self._handles = [h for b in self.blocks
+                         for h in (b.gate.register_forward_hook(gate), b.register_forward_hook(block))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def columns(self, rows: int) -> torch.Tensor:
+        """[rows, columns, layers, k]: the forwards in order, each [r, seq] (a prefill of the distinct
+        prompts, r = rows / n, is repeated for their n samples)."""
+        layers = len(self.blocks)
+        forwards = [torch.stack(self.chosen[f:f + layers], 2) for f in range(0, len(self.chosen), layers)]
+        return torch.cat([x.repeat_interleave(rows // len(x), 0) for x in forwards], 1)
 
 
 def fused_expert_slices(model: torch.nn.Module) -> dict[str, torch.Tensor]:

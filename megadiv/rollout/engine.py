@@ -52,6 +52,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     """Extra tokens ending a completion (the model's EOS tokens always do); the stop token is kept."""
+    return_routing: bool = False
+    """Mixture-of-experts models: return each completion's routing (Completion.routing); the
+    embedded engine can, SGLang's is not wired."""
 
     def __post_init__(self):
         if self.n < 1 or self.max_new_tokens < 1:
@@ -77,6 +80,9 @@ class Completion:
     """stop: ended by a stop/EOS token; length: hit max_new_tokens; abort: cut by the server."""
     weight_version: str
     """Version of the weights that generated it (what the last update_weights named)."""
+    routing: torch.Tensor | None = None
+    """With SamplingParams.return_routing: [prompt + response - 1, MoE layers, k] int16, the experts
+    each layer's router chose for each position the engine ran (every one but the last token's)."""
 
 
 @dataclass(frozen=True)

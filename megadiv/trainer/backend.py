@@ -28,4 +28,4 @@ def make_policy(cfg: TrainConfig, model: ModelConfig, role: str = "actor", optim
     return Policy(model, cfg.parallel, role, optim, total_steps, log_probs_chunk, temperature,
                   max_tokens_per_micro_batch=cfg.grpo.max_tokens_per_micro_batch,
                   pack_sequences=cfg.grpo.pack_sequences,
-                  routing_replay=role == "actor" and cfg.grpo.routing_replay == "r2")
+                  routing_replay=role == "actor" and cfg.grpo.routing_replay != "none")

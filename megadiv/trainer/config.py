@@ -68,13 +68,17 @@ class GRPOConfig:
     refused where it cannot be; false: padded."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    routing_replay: Literal["none", "r2"] = "none"
+    routing_replay: Literal["none", "r2", "r3"] = "none"
     """Mixture-of-experts actors. 'r2': every training pass over a batch routes each token to the
     experts its old-log-prob pass chose (the weights before the batch's first update; verl's R2),
     so that pi_theta / pi_old compares one sub-network; the gate values still follow the current
     weights, and router/replay_agreement logs how many of the routers' own choices that is.
     Needs several updates per batch (ppo_epochs x mini_batches > 1; with one, the training pass
-    is the first and nothing has moved). docs/models.md, Routing replay."""
+    is the first and nothing has moved). 'r3': every pass (old log-probs and training) routes each
+    token to the experts the rollout engine chose when it generated the row, so that pi_old and
+    pi_theta are the sub-network that sampled it (verl's R3, slime's rollout routing replay);
+    router/replay_agreement is then the trainer's agreement with the engine. Needs the embedded
+    engine (SGLang's routing return is not wired). docs/models.md, Routing replay."""
     mini_batches: int = 1
     """Optimizer steps per pass (the batch is split into this many mini-batches)."""
     dynamic_sampling: bool = False
@@ -130,7 +134,7 @@ class GRPOConfig:
                               f"a filter the first groups to finish would bias every batch), got {self.oversample}")
         if self.overlong_penalty < 0:
             raise ConfigError(f"grpo.overlong_penalty must be >= 0, got {self.overlong_penalty}")
-        if self.routing_replay != "none" and self.ppo_epochs * self.mini_batches == 1:
+        if self.routing_replay == "r2" and self.ppo_epochs * self.mini_batches == 1:
             raise ConfigError(f"grpo.routing_replay={self.routing_replay} replays the old-log-prob pass's routing in "
                               "the later updates of a batch; with grpo.ppo_epochs x grpo.mini_batches = 1 there are "
                               "none (the one training pass routes as that pass would)")

@@ -33,6 +33,7 @@ import math
 import multiprocessing
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 
 import torch
 
@@ -72,7 +73,8 @@ class RolloutDriver:
             tokenizer, shared={cfg.reward: self.reward})
         self.engine = make_engine(cfg.rollout, hf_dir, trainer_memory, group)  # after the models: place_server
         self._split = group is not None  # generation_group: every rank generates a slice of each call
-        self.sampling = SamplingParams.from_config(cfg.rollout)
+        # r3: the engine returns the experts it routed each position to, replayed by the trainer
+        self.sampling = replace(SamplingParams.from_config(cfg.rollout), return_routing=cfg.grpo.routing_replay == "r3")
         self.served_step = 0  # the trainer step whose weights the engine serves (0: the starting ones)
         self._batches = ThreadPoolExecutor(1, thread_name_prefix="megadiv-rollout") if cfg.grpo.overlap else None
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="megadiv-reward")

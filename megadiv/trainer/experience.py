@@ -27,6 +27,7 @@ class Experience:
     in_loss: torch.Tensor         # [rows] 1.0, or 0.0 for a row dropped from the loss (grpo.mask_truncated)
     metrics: dict[str, float]
     policy_version: int = 0       # the trainer step whose weights generated the rows (0: the starting ones)
+    routing: list[torch.Tensor] | None = None  # [rows] the engine's experts per position (grpo.routing_replay r3)
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -44,13 +45,14 @@ class Experience:
         Rows out of the loss keep their place (and count in B for seq-mean-token-sum-norm) with an
         all-zero loss mask."""
         return training_rows(self.prompts, self.responses, self.rollout_logprobs, self.advantages, self.in_loss,
-                             pad_id)
+                             pad_id, self.routing)
 
 
 def training_rows(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]],
-                  advantages: torch.Tensor, in_loss: torch.Tensor, pad_id: int) -> SequenceBatch:
+                  advantages: torch.Tensor, in_loss: torch.Tensor, pad_id: int,
+                  routing: list[torch.Tensor] | None = None) -> SequenceBatch:
     """The [B, S] rows a policy trains on; a row out of the loss keeps its place with a zero loss mask."""
-    batch = SequenceBatch.pack(prompts, responses, pad_id, response_values=rollout_logprobs,
+    batch = SequenceBatch.pack(prompts, responses, pad_id, response_values=rollout_logprobs, routing=routing,
                                advantages=advantages.float())
     batch.loss_mask *= in_loss[:, None]
     return batch
@@ -97,7 +99,8 @@ def build_experience(prompts: list[list[int]], groups: list[list[Completion]], s
         rollout_logprobs=[c.logprobs for c in completions],
         rewards=rewards, advantages=advantages,
         in_loss=(~truncated).float() if mask_truncated else torch.ones(len(completions)), metrics=metrics,
-        policy_version=policy_version)
+        policy_version=policy_version,
+        routing=[c.routing for c in completions] if completions[0].routing is not None else None)
 
 
 def informative(scores: list[float], completions: list[Completion], max_new_tokens: int, overlong_buffer: int = 0,

@@ -48,6 +48,7 @@ class ReplicaRows:
     in_loss: torch.Tensor          # [R] float32: 0 for a row dropped from the loss
     rewards: torch.Tensor          # [B] float32: the whole batch's (a KL in the reward recomputes advantages)
     policy_version: torch.Tensor   # [] int64: the trainer step whose weights generated the batch
+    routing: torch.Tensor          # [sum(prompt + response - 1), layers, k] int16, row after row; [0] without
 
     @classmethod
     def from_experience(cls, exp: Experience, rows: list[int]) -> "ReplicaRows":
@@ -60,7 +61,9 @@ class ReplicaRows:
                                 device=host),
                    torch.tensor([v for i in rows for v in exp.rollout_logprobs[i]], dtype=torch.float32, device=host),
                    exp.advantages[index].float(), exp.in_loss[index].float(), exp.rewards.float(),
-                   torch.tensor(exp.policy_version, device=host))
+                   torch.tensor(exp.policy_version, device=host),
+                   torch.cat([exp.routing[i] for i in rows]) if exp.routing is not None
+                   else torch.zeros(0, dtype=torch.int16, device=host))
 
     def __len__(self) -> int:
         return len(self.row_index)
@@ -73,7 +76,10 @@ class ReplicaRows:
         prompts = [s[:p].tolist() for s, p in zip(seqs, self.prompt_lens.tolist())]
         responses = [s[p:].tolist() for s, p in zip(seqs, self.prompt_lens.tolist())]
         values = [v.tolist() for v in torch.split(self.rollout_logprobs, self.response_lens.tolist())]
-        return training_rows(prompts, responses, values, self.advantages, self.in_loss, pad_id)
+        routing = None
+        if self.routing.dim() > 1:  # the engine's, per position but each row's last
+            routing = list(torch.split(self.routing, [n - 1 for n in lengths]))
+        return training_rows(prompts, responses, values, self.advantages, self.in_loss, pad_id, routing)
 
     def encode(self) -> bytes:
         """A JSON header (each field's dtype and shape), then the fields' raw bytes: the payload is
@@ -90,8 +96,11 @@ class ReplicaRows:
         for dtype, shape in json.loads(data[4:offset]):
             dtype = getattr(torch, dtype)
             nbytes = math.prod(shape) * dtype.itemsize
-            flat = torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=torch.uint8)
-            values.append(flat.view(dtype).reshape(shape))
+            if nbytes:
+                flat = torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=torch.uint8)
+                values.append(flat.view(dtype).reshape(shape))
+            else:  # torch.frombuffer refuses an empty buffer
+                values.append(torch.empty(shape, dtype=dtype))
             offset += nbytes
         return cls(*values)
 

@@ -303,7 +303,8 @@ LAYOUTS = {"ep1": ("moe", {}), "ep2": ("moe", dict(expert_parallel=2)), "tp2-ep2
 
 def layouts(ctx) -> dict:
     """The trainer's Policy with R2 routing replay at each of LAYOUTS on 4 ranks, the 8 skewed rows
-    (tests/dist/token_budget.py) split over the DP replicas: old log-probs (recording the routing),
+    (tests/dist/token_budget.py) split over the DP replicas: old log-probs (recording the routing;
+    PP=2 x EP=2 is given EP=1's recording of all layers instead, as R3 is the engine's),
     two unclipped SGD steps (the second replays routing the first step has moved the routers away
     from), and each step's gradients as HF tensors (_gradients)."""
     from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
@@ -325,7 +326,16 @@ def layouts(ctx) -> dict:
         batch = skewed_batch().rows(rows)
         actor = Policy(model, parallel, "actor", OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), 1,
                        routing_replay=True)
-        batch.logp_old = actor.log_probs(batch, 2, record_routing=True)
+        if name == "pp2-ep2":  # R3's path: every layer's routing from elsewhere (EP=1's), each stage its own
+            batch.routing = torch.stack([actor.routing_replay.fit(recorded[i][None], batch.tokens.shape[1])[0]
+                                         for i in range(rows.start, rows.stop)])
+            batch.logp_old = actor.log_probs(batch, 2)
+        else:
+            batch.logp_old = actor.log_probs(batch, 2, record_routing=True)
+        if name == "ep1":  # every row's routing, on every rank
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (rows.start, batch.routing))
+            recorded = {start + i: row for start, routing in parts for i, row in enumerate(routing)}
         steps, grads = [], []
         for _ in range(2):
             steps.append(actor.train_step(batch, objective, 2))
