@@ -300,4 +300,4 @@ def test_convert_needs_tp_times_pp_processes(monkeypatch):
     assert not dist.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="needs 4 processes, this run has 1.*torchrun --nproc-per-node 4"):
-        _start(2, 2)
+        _start(2, 2, 1, False)

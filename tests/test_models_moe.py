@@ -289,6 +289,12 @@ def test_ep2_export_and_checkpoint_reshard(two):
     assert all(r["ep2_to_ep1_bitwise"] for r in two)
 
 
+def test_convert_at_ep2_round_trips_bit_exactly(two):
+    """megadiv convert --ep 2 on 2 ranks (each reads 1/2 of the experts), HF -> megatron -> HF."""
+    assert all(r["convert_ep2_rc"] == (0, 0) and r["convert_ep2_roundtrip_exact"] for r in two)
+    assert all(r["error/convert_ep"] == 2 for r in two)  # --ep 1 inside the EP=2 job: refused, in one line
+
+
 def test_ep_refusals(two):
     r = two[0]
     assert r["error/ep_world"].startswith("ConfigError") and "does not divide the 2 data-parallel" in r["error/ep_world"]

@@ -1,6 +1,6 @@
 """``megadiv convert hf-to-megatron|megatron-to-hf ...``: the arguments of megadiv.models.convert.
 
-Several ranks (TP x PP > 1) run it under torchrun: ``torchrun --nproc-per-node N -m megadiv.cli convert ...``.
+Several ranks (TP x PP x EP > 1) run it under torchrun: ``torchrun --nproc-per-node N -m megadiv.cli convert ...``.
 """
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for p in (to_mcore, to_hf):
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (world size must be tp*pp)")
         p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+        p.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks of a mixture-of-experts model, each with 1/EP of the experts "
+                            "(world size tp*pp*ep); the checkpoint loads at any EP")
         p.add_argument("--dtype", choices=DTYPES, default=None, help="default: the source checkpoint's dtype")
 
 
@@ -45,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.direction == "hf-to-megatron":
             stage_layers = [int(n) for n in args.stage_layers.split(",")] if args.stage_layers else None
-            hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.dtype, stage_layers, args.overwrite)
+            hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.dtype, stage_layers, args.overwrite, args.ep)
         else:
             megatron_to_hf(args.ckpt_dir, args.hf_template, args.out, args.tp, args.pp, args.dtype,
-                           parse_size(args.shard_size))
+                           parse_size(args.shard_size), args.ep)
     except (ConfigError, WeightMismatchError, CheckpointError, FileExistsError) as e:
         print(f"megadiv convert {args.direction}: error: {e}", file=sys.stderr)
         return 2

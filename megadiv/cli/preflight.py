@@ -162,8 +162,9 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
         engine = resolve_engine_name(cfg.rollout)
         if engine != "embedded":
             raise ConfigError(f"grpo.routing_replay=r3 replays the rollout engine's routing, which only the embedded "
-                              f"engine returns (SGLang's return_routed_experts is not wired); rollout.engine="
-                              f"{cfg.rollout.engine} runs {engine} here: use r2 or rollout.engine=embedded")
+                              f"engine returns (SGLang's routing capture is not wired: docs/models.md); "
+                              f"rollout.engine={cfg.rollout.engine} runs {engine} here: use r2 or "
+                              f"rollout.engine=embedded")
     if cfg.model.transformer_impl == "transformer_engine":
         raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
                           f"train one with model.transformer_impl=transformer_engine yet; use transformer_impl=local "

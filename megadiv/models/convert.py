@@ -38,26 +38,27 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def hf_to_megatron(hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                   stage_layers: list[int] | None = None, overwrite: bool = False) -> Path:
+                   stage_layers: list[int] | None = None, overwrite: bool = False, ep: int = 1) -> Path:
     """Stream ``hf_dir``'s safetensors into a megatron-core distributed checkpoint at ``out``,
-    on TP x PP ranks (this process's world); ``dtype`` None keeps the checkpoint's."""
+    on TP x PP x EP ranks (this process's world; EP: each rank reads 1/EP of a mixture-of-experts
+    model's experts); ``dtype`` None keeps the checkpoint's."""
     from megadiv.models.builder import build_model
     from megadiv.models.checkpoint import save_megatron_checkpoint
 
     arch = arch_from_hf_config(load_hf_config(hf_dir))
     if Path(out).exists() and not overwrite:
         raise FileExistsError(f"{out} exists (use --overwrite)")
-    _start(tp, pp)
+    parallel = _start(tp, pp, ep, arch.is_moe)
     model = build_model(ModelConfig(hf_dir=hf_dir, params_dtype=dtype or arch.dtype, transformer_impl="local"),
-                        role="reference", stage_layers=stage_layers)
+                        role="reference", parallel=parallel, stage_layers=stage_layers)
     written = save_megatron_checkpoint(model, out, overwrite=overwrite)
     log.info("wrote megatron checkpoint %s (TP=%d, PP=%d, %s)", written, tp, pp, model.config.params_dtype)
     return written
 
 
 def megatron_to_hf(ckpt_dir: str, hf_template: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                   shard_bytes: int = 2 << 30) -> Path:
-    """Load the megatron checkpoint ``ckpt_dir`` at TP x PP and write it as a Hugging Face
+                   shard_bytes: int = 2 << 30, ep: int = 1) -> Path:
+    """Load the megatron checkpoint ``ckpt_dir`` at TP x PP x EP and write it as a Hugging Face
     directory ``out`` (config and tokenizer files from ``hf_template``), ``shard_bytes`` per file."""
     from megadiv.models.builder import build_model
     from megadiv.models.checkpoint import load_megatron_checkpoint
@@ -71,9 +72,10 @@ def megatron_to_hf(ckpt_dir: str, hf_template: str, out: str, tp: int = 1, pp: i
                               f"(checkpoint, template) differ in {diff}")
     if Path(out).exists():
         raise FileExistsError(f"{out} exists")
-    _start(tp, pp)
+    parallel = _start(tp, pp, ep, given.is_moe)
     model = build_model(ModelConfig(hf_dir=hf_template, params_dtype=dtype or meta["dtype"],
-                                    transformer_impl="local"), role="reference", load_weights=False)
+                                    transformer_impl="local"), role="reference", parallel=parallel,
+                        load_weights=False)
     load_megatron_checkpoint(model, ckpt_dir)
     return write_hf_checkpoint(model, out, hf_template, shard_bytes)
 
@@ -147,19 +149,26 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def _start(tp: int, pp: int) -> None:
+def _start(tp: int, pp: int, ep: int, moe: bool) -> ParallelConfig:
+    """The layout a conversion builds its model at, initialised unless this process runs one
+    already (which must be it). A mixture-of-experts model at TP > 1 is built with sequence
+    parallelism (builder.check_expert_parallel; it changes no weight)."""
     import torch.distributed as dist
 
     from megadiv.parallel import info, initialize
 
+    parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                              sequence_parallel=moe and tp > 1)
     if dist.is_initialized():  # inside a running job: its layout must be the requested one
         have = info()
-        if (have.tp_size, have.pp_size) != (tp, pp):
-            raise ConfigError(f"--tp {tp} --pp {pp} differs from the running job's TP={have.tp_size} PP={have.pp_size}")
-        return
+        if (have.tp_size, have.pp_size, have.ep_size) != (tp, pp, ep):
+            raise ConfigError(f"--tp {tp} --pp {pp} --ep {ep} differs from the running job's TP={have.tp_size} "
+                              f"PP={have.pp_size} EP={have.ep_size}")
+        return parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
+    if world != tp * pp * ep:
         raise ConfigError(
-            f"--tp {tp} --pp {pp} needs {tp * pp} processes, this run has {world}; launch it as "
-            f"torchrun --nproc-per-node {tp * pp} -m megadiv.cli convert ... (several nodes: docs/models.md)")
-    initialize(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+            f"--tp {tp} --pp {pp} --ep {ep} needs {tp * pp * ep} processes, this run has {world}; launch it as "
+            f"torchrun --nproc-per-node {tp * pp * ep} -m megadiv.cli convert ... (several nodes: docs/models.md)")
+    initialize(parallel)
+    return parallel

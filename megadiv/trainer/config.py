@@ -78,7 +78,7 @@ class GRPOConfig:
     token to the experts the rollout engine chose when it generated the row, so that pi_old and
     pi_theta are the sub-network that sampled it (verl's R3, slime's rollout routing replay);
     router/replay_agreement is then the trainer's agreement with the engine. Needs the embedded
-    engine (SGLang's routing return is not wired). docs/models.md, Routing replay."""
+    engine (SGLang's routing capture is not wired). docs/models.md, Routing replay."""
     mini_batches: int = 1
     """Optimizer steps per pass (the batch is split into this many mini-batches)."""
     dynamic_sampling: bool = False

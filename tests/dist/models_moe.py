@@ -161,6 +161,20 @@ def two_ranks(ctx) -> dict:
         logits = resharded.chunks[0](tokens, torch.arange(SEQ).unsqueeze(0), attention_mask=None)
     results["ep2_to_ep1_bitwise"] = bool(torch.equal(logits, ref_logits))
 
+    # megadiv convert at EP=2 (each rank reads and writes its half of the experts), both ways
+    from megadiv.cli import main
+
+    _layout(2)
+    mcore, hf_out = tmp / "convert-ep2", tmp / "convert-ep2-hf"
+    results["convert_ep2_rc"] = (
+        main(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--out", str(mcore), "--ep", "2"]),
+        main(["convert", "megatron-to-hf", "--ckpt-dir", str(mcore), "--hf-template", hf_dir, "--out", str(hf_out),
+              "--ep", "2", "--shard-size", "64KB"]))
+    dist.barrier()
+    results["convert_ep2_roundtrip_exact"] = _same_tensors(_hf_tensors(str(hf_out)), _hf_tensors(hf_dir))
+    results["error/convert_ep"] = main(["convert", "hf-to-megatron", "--hf-dir", hf_dir, "--out", str(tmp / "x"),
+                                        "--ep", "1"])  # the running job's layout is EP=2
+
     # refusals, before any group or model is built
     from megadiv.config import ParallelConfig
 
