@@ -111,10 +111,12 @@ def plan_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-def recipe_args(model: str, algorithm: str, nodes: int) -> list[str]:
+def recipe_args(model: str, algorithm: str, nodes: int, hf_config: str | None = None) -> list[str]:
+    """``megadiv plan`` of a GSM8K recipe on ``nodes`` x 8 GPUs of 80 GB, the architecture from
+    examples/hf_configs/``hf_config`` (default: the 32B recipe's)."""
     return [str(GSM8K / "task.yaml"), str(GSM8K / "models" / f"{model}.yaml"),
             str(GSM8K / "algorithms" / f"{algorithm}.yaml"),
-            "--hf-config", str(HF_CONFIGS / RECIPES_32B[model] / "config.json"),
+            "--hf-config", str(HF_CONFIGS / (hf_config or RECIPES_32B[model]) / "config.json"),
             "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu-memory-gib", "80"]
 
 

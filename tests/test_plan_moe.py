@@ -13,7 +13,6 @@ The Qwen3-MoE recipes plan as fitting on 8-GPU nodes of 80 GB, with EP in the ta
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +26,8 @@ from megadiv.models.plan import (
     stage_params,
     state_bytes,
 )
+from tests.test_plan import HF_CONFIGS, plan_cli
+from tests.test_plan import recipe_args as plan_recipe_args
 from tests.torchrun import run_torchrun
 
 MICRO_BATCH, SEQ_LEN = 2, 48
@@ -118,26 +119,13 @@ def test_planned_activations_are_within_2_percent_of_the_saved_tensors(two, tiny
 
 # --------------------------------------------------------------------------- the CLI and the recipes
 
-REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO / "examples" / "gsm8k"
-HF_CONFIGS = REPO / "examples" / "hf_configs"
 RECIPES_MOE = {"qwen3-30b-a3b": ("Qwen3-30B-A3B", {"tp": 1, "pp": 2, "ep": 8}, (2, 4)),
                "qwen3-235b-a22b": ("Qwen3-235B-A22B", {"tp": 4, "pp": 4, "ep": 8}, (16, 32))}
 """recipe -> (public config, configured layout, node counts of 8 GPUs it is planned on)."""
 
 
-def plan_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from megadiv.cli import main
-    rc = main(["plan", *argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def recipe_args(model: str, algorithm: str, nodes: int) -> list[str]:
-    return [str(GSM8K / "task.yaml"), str(GSM8K / "models" / f"{model}.yaml"),
-            str(GSM8K / "algorithms" / f"{algorithm}.yaml"),
-            "--hf-config", str(HF_CONFIGS / RECIPES_MOE[model][0] / "config.json"),
-            "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu-memory-gib", "80"]
+    return plan_recipe_args(model, algorithm, nodes, RECIPES_MOE[model][0])
 
 
 @pytest.mark.parametrize("model", sorted(RECIPES_MOE))

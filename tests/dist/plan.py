@@ -28,6 +28,29 @@ def _saved_activation_bytes(module: torch.nn.Module, tokens: torch.Tensor) -> in
     return sum(saved.values())
 
 
+def stepped_actor(hf_dir: str, cfg: ParallelConfig, optimizer: str) -> Policy:
+    """A bf16 actor after one optimizer step of zero gradients (torch creates Adam's state lazily)."""
+    actor = Policy(ModelConfig(hf_dir=hf_dir, params_dtype="bfloat16"), cfg, "actor",
+                   OptimConfig(optimizer=optimizer, lr=1e-3))
+    actor.optimizer.step()
+    return actor
+
+
+def allocated_bytes(actor: Policy) -> dict[str, int]:
+    """What megatron allocated on this rank: DDP's weight and fp32 gradient buffers (the experts'
+    own at EP > 1 included), the optimizers' fp32 main params and state."""
+    buffers = [buf for chunk in actor.chunks for buf in chunk.buffers + chunk.expert_parallel_buffers]
+    inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+    main = [p for o in inner for g in o.param_groups for p in g["params"]]
+    states = [t for o in inner for st in o.state.values() for k, t in st.items()
+              if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
+    return {"weights": sum(b.param_data.numel() * b.param_data.element_size() if b.param_data is not None
+                           else sum(p.numel() * p.element_size() for p in b.params) for b in buffers),
+            "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            "main_params": sum(p.numel() * p.element_size() for p in main if p.dtype == torch.float32),
+            "optimizer": sum(t.numel() * t.element_size() for t in states)}
+
+
 def allocations(ctx) -> list[dict]:
     """For each TP x PP layout on this world, and each model: this rank's parameter list and the
     bytes megatron allocated for weights, gradients, fp32 main params and optimizer state (after
@@ -44,14 +67,7 @@ def allocations(ctx) -> list[dict]:
         runs = [(name, hf_dir, opt) for name, hf_dir in ctx.args["models"].items()
                 for opt in (("adam", "sgd") if tp * pp == 1 else ("adam",))]
         for name, hf_dir, optimizer in runs:
-            actor = Policy(ModelConfig(hf_dir=hf_dir, params_dtype="bfloat16"), cfg, "actor",
-                           OptimConfig(optimizer=optimizer, lr=1e-3))
-            actor.optimizer.step()  # zero gradients: creates the optimizer state
-            buffers = [buf for chunk in actor.chunks for buf in chunk.buffers]
-            inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
-            main = [p for o in inner for g in o.param_groups for p in g["params"]]
-            states = [t for o in inner for st in o.state.values() for k, t in st.items()
-                      if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
+            actor = stepped_actor(hf_dir, cfg, optimizer)
             gpt = actor.model.gpt_models[0]
             record = {
                 "model": name, "opt": optimizer, "tp": tp, "pp": pp,
@@ -60,12 +76,7 @@ def allocations(ctx) -> list[dict]:
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                 "dp_rank": parallel_state.get_data_parallel_rank(),
                 "params": [(n, p.numel()) for n, p in gpt.named_parameters()],
-                "weights": sum(b.param_data.numel() * b.param_data.element_size() if b.param_data is not None
-                               else sum(p.numel() * p.element_size() for p in b.params) for b in buffers),
-                "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
-                "main_params": sum(p.numel() * p.element_size() for p in main if p.dtype == torch.float32),
-                "optimizer": sum(t.numel() * t.element_size() for t in states),
-            }
+            } | allocated_bytes(actor)
             if pp == 1 and optimizer == "adam":
                 g = torch.Generator().manual_seed(0)
                 tokens = torch.randint(0, 90, (ctx.args["micro_batch"], ctx.args["seq_len"]), generator=g)
