@@ -138,6 +138,11 @@ class ModelConfig:
     first recompute_num_layers layers of each pipeline stage (the rest keep their activations)."""
     recompute_num_layers: int | None = None
     """With 'full': layers per checkpointed group ('uniform') or per stage ('block')."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the load-balancing loss (megatron's moe_aux_loss_coeff,
+    its Switch loss E sum_e f_e P_e per layer and micro-batch). 0, the default, turns it off, as RL
+    recipes for trained routers do; router/aux_loss logs its value either way. docs/models.md,
+    Router settings."""
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -158,6 +163,8 @@ class ModelConfig:
                               f"{self.recompute_num_layers!r})")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
             raise ConfigError(f"model.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.fp8 != "none" and self.transformer_impl == "local":
             raise ConfigError("model.fp8 needs model.transformer_impl 'transformer_engine' or 'auto'")
 

@@ -253,6 +253,32 @@ def _routed_by(gate, chosen: torch.Tensor):
     return forward
 
 
+def test_the_load_balancing_loss_adds_megatrons_switch_loss_gradient(models, tmp_path_factory):
+    """model.moe_aux_loss_coeff = c at DP=2: the last router's gradient grows by exactly
+    c sum_r T_r grad aux_r / D (each replica's micro-batch of T_r tokens, its Switch loss
+    aux = E sum_e f_e P_e over them, D the step's loss tokens), against float64 from the captured
+    router inputs; without it (the default) nothing is added."""
+    ranks = _launch("load_balancing", 2, models, tmp_path_factory)
+    weight = ranks[0][0.0]["weight"].double().requires_grad_()
+    experts, topk = weight.shape[0], 2
+    total = 0
+    for r in ranks:
+        assert torch.equal(r[0.0]["hidden"], r[0.3]["hidden"])  # the forward does not see the loss
+        x = r[0.0]["hidden"].double().reshape(-1, weight.shape[1])
+        assert len(x) == r["rows"] * r["width"]
+        probs = (x @ weight.T).softmax(-1)
+        share = torch.zeros(experts, dtype=torch.float64).index_add_(
+            0, probs.topk(topk).indices.reshape(-1), torch.ones(len(x) * topk, dtype=torch.float64)) / (len(x) * topk)
+        total = total + len(x) * experts * (share * probs.mean(0)).sum()
+    loss_tokens = sum(r["loss_tokens"] for r in ranks)
+    (expected,) = torch.autograd.grad(0.3 * total / loss_tokens, weight)
+    for r in ranks:
+        added = (r[0.3]["grad"] - r[0.0]["grad"]).double()
+        err = float((added - expected).abs().max() / expected.abs().max())
+        print("load-balancing gradient, max error relative to its largest entry:", err)
+        assert err < 2e-6, err  # observed 2.5e-7 (float32 sums)
+
+
 def test_routing_replay_changes_nothing_when_routing_agrees_and_replays_it_when_not(models, tmp_path_factory):
     """R2 at DP=2 x EP=2 (rows of other lengths per replica): on the recording weights a train
     step with replay equals one without, bit for bit, with agreement 1; after the routers are
@@ -338,6 +364,9 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
             (["model.transformer_impl=transformer_engine"], "with model.transformer_impl=transformer_engine yet")]:
         rc, err = check(models["moe"], *overrides)
         assert rc == 2 and message in err, (overrides, err)
+    assert check(models["moe"], "model.moe_aux_loss_coeff=0.001")[0] == 0
+    rc, err = check(models["dense"], "model.moe_aux_loss_coeff=0.001")
+    assert rc == 2 and "weights a mixture-of-experts model's load-balancing loss" in err, err
     rc, err = check(models["dense"], "grpo.routing_replay=r2", "grpo.mini_batches=2")
     assert rc == 2 and "grpo.routing_replay=r2 needs a mixture-of-experts model" in err, err
     for overrides, message in [(["grpo.mini_batches=1"], "with grpo.ppo_epochs x grpo.mini_batches = 1 there are none"),

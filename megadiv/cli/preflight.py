@@ -152,6 +152,9 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     except ConfigError as e:
         raise ConfigError(f"model.hf_dir={hf_dir}: parallel.{e}") from None
     if not arch.is_moe:
+        if cfg.model.moe_aux_loss_coeff > 0:
+            raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff} weights a mixture-of-experts "
+                              f"model's load-balancing loss; model.hf_dir={hf_dir} is {arch.family} (dense)")
         if cfg.grpo.routing_replay != "none":
             raise ConfigError(f"grpo.routing_replay={cfg.grpo.routing_replay} needs a mixture-of-experts model; "
                               f"model.hf_dir={hf_dir} is {arch.family} (dense)")

@@ -198,7 +198,7 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         gradient_accumulation_fusion=cuda and gradient_accumulation_fusion_available(),
     )
     if arch.is_moe:
-        fields.update(moe_fields(arch, ep))
+        fields.update(moe_fields(arch, ep, cfg.moe_aux_loss_coeff))
     if cfg.fp8 != "none":
         from megadiv.models.fp8 import check_fp8_here
 
@@ -217,7 +217,7 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
     return config
 
 
-def moe_fields(arch: ArchSpec, ep: int) -> dict:
+def moe_fields(arch: ArchSpec, ep: int, aux_loss_coeff: float = 0.0) -> dict:
     """The TransformerConfig fields of a Qwen3-MoE / Qwen2-MoE layer, routed as transformers routes it.
 
     HF: p = softmax(x W_gate^T) over all E experts, keep the top k, and with norm_topk_prob
@@ -225,13 +225,17 @@ def moe_fields(arch: ArchSpec, ep: int) -> dict:
     the top k logits first and softmaxes over those k: exp(l_i) / sum_topk exp(l_j), the same
     renormalised probabilities; pre_softmax=True is the unnormalised case. Every token reaches
     all of its k experts (no capacity factor: token-dropless), and the load-balancing loss is off
-    (RL fine-tuning of a trained router; the released checkpoints' router_aux_loss_coef applies
-    to pre-training)."""
+    unless ``aux_loss_coeff`` > 0 (RL fine-tuning of a trained router; the released checkpoints'
+    router_aux_loss_coef applies to pre-training): then megatron's per-micro-batch Switch loss
+    coeff * E sum_e f_e P_e of each layer, whose gradient megatron scales, under the per-token loss,
+    by the micro-batch's tokens T over the step's loss denominator D (router.py
+    _apply_aux_loss): coeff * sum_mb T_mb grad(aux_mb) / D."""
     return dict(
         num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_router_topk, moe_router_score_function="softmax",
         moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=None,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff, moe_expert_capacity_factor=None,
         # alltoall sends each token to its experts' ranks only (megatron's default on GPUs); on the
         # CPU, where its CUDA streams do not exist, allgather: every EP rank gathers the group's
         # tokens and runs its own experts on them. SequentialMLP experts (one MLP per expert;

@@ -253,6 +253,9 @@ class TrainConfig:
                 raise ConfigError(f"parallel.expert_parallel={self.parallel.expert_parallel} needs a mixture-of-experts "
                                   f"model, and warm_start.make_model makes dense ones: make one with megadiv "
                                   f"make-tiny-model --family qwen3_moe and set model.hf_dir")
+            if self.model.moe_aux_loss_coeff > 0 and self.warm_start.make_model != "none":
+                raise ConfigError(f"model.moe_aux_loss_coeff={self.model.moe_aux_loss_coeff} needs a mixture-of-experts "
+                                  f"model, and warm_start.make_model makes dense ones")
             if self.grpo.routing_replay != "none" and self.warm_start.make_model != "none":
                 raise ConfigError(f"grpo.routing_replay={self.grpo.routing_replay} needs a mixture-of-experts model, "
                                   f"and warm_start.make_model makes dense ones")
@@ -310,6 +313,7 @@ class TrainConfig:
                          "parallel.expert_parallel": (p.expert_parallel, 1),
                          "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
                          "model.recompute_granularity": (m.recompute_granularity, "none"),
+                         "model.moe_aux_loss_coeff": (m.moe_aux_loss_coeff, 0.0),
                          "grpo.routing_replay": (self.grpo.routing_replay, "none"),
                          "optim.distributed_optimizer": (self.optim.distributed_optimizer, None)}
         megatron_only |= {  # ZeRO-3 gathers weights in every forward: all ranks must run equally many micro-batches

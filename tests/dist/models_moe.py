@@ -357,3 +357,30 @@ def layouts(ctx) -> dict:
         out[name] = {"rows": [rows.start, rows.stop], "logp_old": batch.logp_old, "steps": steps, "grads": grads}
     shutdown(keep_default_group=True)
     return out
+
+
+def load_balancing(ctx) -> dict:
+    """model.moe_aux_loss_coeff at DP=2: one train step of the trainer's Policy on the skewed rows
+    (one fixed-width micro-batch per replica) with the coefficient and without, from the same
+    weights. The last layer's router input (captured) and weight, and its gradient with each."""
+    from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
+    from megadiv.divergence import PolicyLossConfig
+    from megadiv.policy.megatron import Policy
+    from megadiv.policy.objectives import grpo_objective
+    from tests.dist.token_budget import RESPONSE_LENGTHS, skewed_batch
+
+    info = _layout(1)
+    per = len(RESPONSE_LENGTHS) // info.dp_size
+    batch = skewed_batch().rows(slice(info.dp_rank * per, (info.dp_rank + 1) * per))
+    out = {"loss_tokens": float(batch.loss_mask.sum()), "width": batch.tokens.shape[1], "rows": len(batch)}
+    for coeff in (0.0, 0.3):
+        actor = Policy(ModelConfig(hf_dir=ctx.args["models"]["moe"], moe_aux_loss_coeff=coeff), ParallelConfig(),
+                       "actor", OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), 1, group_by_length=False)
+        router = [m for m in actor.chunks[0].modules() if type(m).__name__ == "TopKRouter"][-1]
+        captured = []
+        hook = router.register_forward_hook(lambda m, args, output: captured.append(args[0].detach().clone()))
+        weight = router.weight.detach().clone()
+        actor.train_step(batch, grpo_objective(PolicyLossConfig(policy_loss="clip")), per)
+        hook.remove()
+        out[coeff] = {"grad": router.weight.main_grad.clone(), "hidden": captured[0], "weight": weight}
+    return out
