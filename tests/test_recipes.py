@@ -50,7 +50,10 @@ def test_tiny_demo_configs_validate(tmp_path):
     assert (ds.loss, ds.grpo, ds.warm_start) == (base.loss, base.grpo, base.warm_start)
 
 
-@pytest.mark.parametrize("model", [m for m in MODELS if "32b" not in m.stem], ids=lambda p: p.stem)
+# not the 32B and mixture-of-experts recipes: their layouts are megatron's (sequence parallelism,
+# experts over EP ranks, activation recompute), which the DeepSpeed backend refuses by name
+@pytest.mark.parametrize("model", [m for m in MODELS if "32b" not in m.stem and "expert_parallel" not in m.read_text()],
+                         ids=lambda p: p.stem)
 def test_gsm8k_recipes_compose_with_the_deepspeed_backend(model):
     cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", model, ALGORITHMS[0],
                                     EXAMPLES / "gsm8k" / "backends" / "deepspeed.yaml"],
