@@ -63,7 +63,8 @@ def test_import_refuses_bad_inputs_by_name(tmp_path, capsys):
         (["--gguf", str(tmp_path / "absent.gguf"), "--out", str(tmp_path / "o")], "absent.gguf: no such file"),
         (["--gguf", str(not_gguf), "--out", str(tmp_path / "o")], "is not a GGUF file (it starts with b'{}'"),
         (["--gguf", str(gpt2), "--out", str(tmp_path / "o")],
-         "GGUF architecture 'gpt2' is not supported; megadiv builds ['llama', 'qwen2', 'qwen3', 'qwen3_moe']"),
+         "GGUF architecture 'gpt2' is not supported; megadiv builds ['llama', 'qwen2', 'qwen2_moe', 'qwen3', "
+         "'qwen3_moe']"),
         (["--gguf", str(gpt2), "--out", str(full)], "full exists and is not an empty directory"),
         (["--gguf", str(header_only), "--out", str(tmp_path / "o")],
          "llama.gguf: 21 tensors of the LlamaForCausalLM are missing from the file or mis-shaped there: "
