@@ -18,8 +18,10 @@ reported as the mean over layers (load_max: the most loaded expert of any layer)
 step (the loop averages its mini-batches). Each rank counts the tokens its routers see: under
 sequence parallelism its slice of the sequence, under pipeline parallelism its stage's layers;
 the sums are added over all ranks, where tensor-parallel ranks without sequence parallelism
-count the same tokens alike (every figure is a ratio of two such sums, unchanged by that). They are measurements only: the load-balancing and
-z-losses are off (models/builder.moe_fields), as RL trainers run MoE models.
+count the same tokens alike (every figure is a ratio of two such sums, unchanged by that).
+They are measurements: the z-loss is never added to the loss, the load-balancing loss only with
+model.moe_aux_loss_coeff > 0 (models/builder.moe_fields; off by default, as RL trainers run MoE
+models).
 """
 from __future__ import annotations
 
