@@ -131,6 +131,12 @@ class ModelInput:
         return rows.index_put((self.row_of, self.col_of), values.reshape(-1))
 
 
+def padding_experts(rows: int, width: int, layers: int, k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[rows, width, layers, k] experts 0..k-1 (a view): the routing of positions no row holds, k
+    distinct experts as megatron's dispatcher needs; no loss reads them."""
+    return torch.arange(k, dtype=dtype, device=device).expand(rows, width, layers, k)
+
+
 @dataclass
 class SequenceBatch:
     """Rows for one forward pass or optimizer step; every tensor is [B, S] unless noted."""
@@ -206,7 +212,7 @@ class SequenceBatch:
                                             device=host)
         if routing is not None:
             layers, k = routing[0].shape[1:]
-            fields["routing"] = torch.arange(k, dtype=torch.int16, device=host).repeat(len(prompts), seq_len, layers, 1)
+            fields["routing"] = padding_experts(len(prompts), seq_len, layers, k, torch.int16, host).clone()
             for row, chosen in zip(fields["routing"], routing):
                 row[:len(chosen)] = chosen
         return cls(tokens=tokens, loss_mask=mask, logp_rollout=values, **fields)

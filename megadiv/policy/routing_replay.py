@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megadiv.policy.batches import ModelInput
+from megadiv.policy.batches import ModelInput, padding_experts
 
 
 class RoutingReplay:
@@ -89,8 +89,8 @@ class RoutingReplay:
         """[b, S, layers, k] cut or padded to [b, width, layers, k] (padding: experts 0..k-1)."""
         if routing.shape[1] >= width:
             return routing[:, :width]
-        pad = torch.arange(self.topk, dtype=routing.dtype, device=routing.device).expand(
-            routing.shape[0], width - routing.shape[1], routing.shape[2], self.topk)
+        pad = padding_experts(routing.shape[0], width - routing.shape[1], routing.shape[2], self.topk,
+                              routing.dtype, routing.device)
         return torch.cat([routing, pad], 1)
 
     def assemble(self, pieces: list[torch.Tensor], order: torch.Tensor | None, width: int) -> torch.Tensor:
