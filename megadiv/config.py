@@ -123,7 +123,8 @@ class ModelConfig:
     max_position_embeddings: int = 512
     """Longest sequence (prompt + response) of a model to create."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the Megatron weights (bf16 wraps the model in megatron's Float16Module)."""
+    """Dtype of the Megatron weights (bf16 wraps the model in megatron's Float16Module). The Python
+    API's build_model and megatron Policy also take float64 (CPU: the layout parity tests)."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer implementation: megatron's local spec (CPU), Transformer Engine (GPU); auto picks."""
     fp8: Literal["none", "delayed", "tensorwise", "mxfp8", "blockwise"] = "none"

@@ -134,6 +134,8 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
             rope_scaling=arch.rope_scaling_factor is not None,
             rope_scaling_factor=arch.rope_scaling_factor or 1.0, vp_stage=vp)
         mark_tensor_parallel(gpt)
+        if config.params_dtype == torch.float64:  # megatron's torch norms are float32 whatever params_dtype
+            gpt.double()
         chunks.append(Float16Module(config, gpt) if (config.bf16 or config.fp16) else gpt)
     model = MegatronModel(chunks=chunks, arch=arch, family=family, config=config, role=role,
                           padded_vocab_size=padded, hf_config=hf_config)

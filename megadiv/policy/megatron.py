@@ -145,8 +145,10 @@ class Policy:
         # throttle the CPU threads. Checkpoints convert between the two (trainer/checkpoint.py).
         use_distributed_optimizer = optim.shards_state(parallel_state.get_data_parallel_world_size())
         self.optim_name, self.use_distributed_optimizer = optim.optimizer, use_distributed_optimizer
+        # gradients are reduced in float32, or in float64 for float64 weights (the layout parity
+        # tests' precision; a float32 buffer would round every gradient to float32)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
+            grad_reduce_in_fp32=config.params_dtype != torch.float64, use_distributed_optimizer=use_distributed_optimizer,
             average_in_collective=False)  # per-token loss: megatron divides by the global denominator
         self.chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
                        for chunk in self.model.chunks]
@@ -423,9 +425,10 @@ def _runs_transformer_engine(model: MegatronModel) -> bool:
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / T in float32: log-probs of the distribution the rollout engine sampled from
-    (megadiv.rollout's convention), so that ratios to rollout log-probs are meaningful."""
-    logits = logits.float()
+    """logits / T in float32 (float64 logits stay float64): log-probs of the distribution the rollout
+    engine sampled from (megadiv.rollout's convention), so that ratios to rollout log-probs are
+    meaningful."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits if temperature in (0.0, 1.0) else logits / temperature
 
 

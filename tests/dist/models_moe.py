@@ -308,16 +308,18 @@ def _gradients(policy) -> dict[str, torch.Tensor]:
     return grads
 
 
-# name -> (model, ParallelConfig fields) of the 4-rank runs; each compared with its model's EP=1 (DP=4)
+# name -> (model, ParallelConfig fields) of the 4-rank runs; each compared with its model's EP=1 (DP=4).
+# ep2: two expert-parallel groups (DP=2 x EP=2: each expert on two ranks), ep4: each expert on one.
 TP2_EP2 = dict(tensor_parallel=2, sequence_parallel=True, expert_parallel=2)
-LAYOUTS = {"ep1": ("moe", {}), "ep2": ("moe", dict(expert_parallel=2)), "tp2-ep2": ("moe", TP2_EP2),
-           "pp2-ep2": ("moe", dict(pipeline_parallel=2, expert_parallel=2)),
+LAYOUTS = {"ep1": ("moe", {}), "ep2": ("moe", dict(expert_parallel=2)), "ep4": ("moe", dict(expert_parallel=4)),
+           "tp2-ep2": ("moe", TP2_EP2), "pp2-ep2": ("moe", dict(pipeline_parallel=2, expert_parallel=2)),
            "shared-ep1": ("shared", {}), "shared-tp2-ep2": ("shared", TP2_EP2)}
 
 
 def layouts(ctx) -> dict:
-    """The trainer's Policy with R2 routing replay at each of LAYOUTS on 4 ranks, the 8 skewed rows
-    (tests/dist/token_budget.py) split over the DP replicas: old log-probs (recording the routing;
+    """The trainer's Policy with R2 routing replay at each of LAYOUTS on 4 ranks, in float64 (the
+    Python API's params_dtype; megatron computes in it throughout, its grad norm aside), the 8
+    skewed rows (tests/dist/token_budget.py) split over the DP replicas: old log-probs (recording the routing;
     PP=2 x EP=2 is given EP=1's recording of all layers instead, as R3 is the engine's),
     two unclipped SGD steps (the second replays routing the first step has moved the routers away
     from), and each step's gradients as HF tensors (_gradients)."""
@@ -331,7 +333,7 @@ def layouts(ctx) -> dict:
     objective = grpo_objective(PolicyLossConfig(policy_loss="clip"))
     out = {}
     for name, (hf, fields) in LAYOUTS.items():
-        model = ModelConfig(hf_dir=ctx.args["models"][hf])
+        model = ModelConfig(hf_dir=ctx.args["models"][hf], params_dtype="float64")
         shutdown(keep_default_group=True)
         parallel = ParallelConfig(**fields)
         info = initialize(parallel)
