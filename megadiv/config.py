@@ -51,9 +51,15 @@ class ParallelConfig:
     """Megatron sequence parallelism in the tensor-parallel group (needs tensor_parallel > 1)."""
     expert_parallel: int = 1
     """Expert-parallel ranks of a mixture-of-experts model: each holds num_experts / expert_parallel
-    of every MoE layer's experts. They are data-parallel ranks (the data-parallel size must be a
-    multiple); the rest of the model is replicated over them. With tensor_parallel > 1 each expert
-    is split over TP too, and sequence_parallel is required (docs/models.md, Mixture of experts)."""
+    of every MoE layer's experts. With expert_tensor_parallel = TP they are data-parallel ranks (the
+    data-parallel size must be a multiple); the rest of the model is replicated over them. With
+    tensor_parallel > 1 sequence_parallel is required (docs/models.md, Mixture of experts)."""
+    expert_tensor_parallel: int | None = None
+    """Tensor parallelism inside each expert (megatron's expert_tensor_parallel_size): each expert's
+    weights split over this many ranks. None: tensor_parallel (every weight split alike). Must
+    divide tensor_parallel; below it, experts are wider per rank and the expert-parallel groups
+    take tensor-parallel ranks too (expert_tensor_parallel x expert_parallel must divide
+    tensor_parallel x DP), and expert_parallel > 1 is needed (docs/models.md)."""
     timeout_s: float = 600.0
     """Timeout of every collective; a dead peer fails the run after this long instead of hanging it."""
     allow_untested_megatron: bool = False
@@ -75,10 +81,19 @@ class ParallelConfig:
             raise ConfigError("parallel.stage_layers and parallel.virtual_pipeline cannot be combined")
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
+        etp = self.expert_tensor_parallel
+        if etp is not None and (etp < 1 or self.tensor_parallel % etp):
+            raise ConfigError(f"parallel.expert_tensor_parallel={etp} must divide parallel.tensor_parallel="
+                              f"{self.tensor_parallel}")
 
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """expert_tensor_parallel, None resolved to tensor_parallel."""
+        return self.expert_tensor_parallel or self.tensor_parallel
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP size for ``world_size`` ranks; raises ConfigError when the world does not split evenly."""
@@ -88,11 +103,14 @@ class ParallelConfig:
                 f"parallel.pipeline_parallel = {self.tensor_parallel} * {self.pipeline_parallel} = "
                 f"{self.model_parallel_size}")
         data_parallel = world_size // self.model_parallel_size
-        if data_parallel % self.expert_parallel:
+        # megatron cuts the expert groups (ETP x EP x expert-DP) from each stage's TP x DP ranks
+        expert_group = self.expert_tensor_parallel_size * self.expert_parallel
+        if (self.tensor_parallel * data_parallel) % expert_group:
             raise ConfigError(
-                f"parallel.expert_parallel={self.expert_parallel} does not divide the {data_parallel} data-parallel "
-                f"ranks (world size {world_size} / (tensor_parallel x pipeline_parallel)): expert-parallel ranks are "
-                f"data-parallel ranks")
+                f"parallel.expert_tensor_parallel x parallel.expert_parallel = {self.expert_tensor_parallel_size} x "
+                f"{self.expert_parallel} does not divide the {self.tensor_parallel * data_parallel} ranks of a "
+                f"pipeline stage (tensor_parallel {self.tensor_parallel} x {data_parallel} data-parallel, world size "
+                f"{world_size}): expert groups are cut from them")
         return data_parallel
 
 

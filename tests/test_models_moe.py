@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.dist.models_moe import make_moe_models
+from tests.dist.models_moe import LAYOUTS, make_moe_models
 from tests.torchrun import run_torchrun
 
 LOGIT_TOL = 2e-6
@@ -323,7 +323,7 @@ def test_convert_at_ep2_round_trips_bit_exactly(two):
 
 def test_ep_refusals(two):
     r = two[0]
-    assert r["error/ep_world"].startswith("ConfigError") and "does not divide the 2 data-parallel" in r["error/ep_world"]
+    assert r["error/ep_world"].startswith("ConfigError") and "= 1 x 4 does not divide the 2 ranks of a pipeline stage" in r["error/ep_world"]
     assert r["error/ep_experts"].startswith("ConfigError") and "does not divide the 3 experts" in r["error/ep_experts"]
     assert r["error/ep_dense"].startswith("ConfigError") and "qwen3 is dense" in r["error/ep_dense"]
 
@@ -353,9 +353,24 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
     assert check(models["moe"], "grpo.routing_replay=r3", "grpo.mini_batches=1")[0] == 0  # the engine's routing
     rc, err = check(models["moe"], "grpo.routing_replay=r3", "rollout.engine=sglang")
     assert rc == 2 and "only the embedded engine returns" in err, err
-    for layout in (["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"], ["parallel.pipeline_parallel=2"]):
+    tp2 = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]
+    for layout in (tp2, ["parallel.pipeline_parallel=2"], [*tp2, "parallel.expert_tensor_parallel=1"]):
         assert check(models["moe"], *layout, "parallel.expert_parallel=2", "--world-size", "4",
                      "grpo.routing_replay=r2", "grpo.mini_batches=2")[0] == 0, layout
+    # whole experts (ETP=1) split over both TP ranks of the one replica
+    assert check(models["moe"], *tp2, "parallel.expert_tensor_parallel=1", "parallel.expert_parallel=2",
+                 "--world-size", "2")[0] == 0
+    for overrides, message in [
+            ([*tp2, "parallel.expert_tensor_parallel=1", "--world-size", "2"],
+             "expert_tensor_parallel=1 below tensor_parallel=2 needs expert_parallel > 1"),
+            ([*tp2, "parallel.expert_tensor_parallel=1", "parallel.expert_parallel=4", "--world-size", "2"],
+             "expert_tensor_parallel x parallel.expert_parallel = 1 x 4 does not divide the 2 ranks"),
+            (["parallel.expert_tensor_parallel=2"], "parallel.expert_tensor_parallel=2 must divide "
+                                                     "parallel.tensor_parallel=1")]:
+        rc, err = check(models["moe"], *overrides)
+        assert rc == 2 and message in err, (overrides, err)
+    rc, err = check(models["dense"], *tp2, "parallel.expert_tensor_parallel=1", "--world-size", "2")
+    assert rc == 2 and "parallel.expert_tensor_parallel=1 needs a mixture-of-experts model; qwen3 is dense" in err, err
     for overrides, message in [
             (["parallel.expert_parallel=2", "--world-size", "4", "parallel.tensor_parallel=2"],
              "parallel.tensor_parallel=2 with a mixture-of-experts model needs sequence_parallel=true"),
@@ -379,8 +394,10 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
     assert rc == 2 and "parallel.expert_parallel=2 does not divide the 3 experts" in err, err
     rc, err = check(models["dense"], "parallel.expert_parallel=2", "--world-size", "2")
     assert rc == 2 and "parallel.expert_parallel=2 needs a mixture-of-experts model; qwen3 is dense" in err, err
-    with pytest.raises(ConfigError, match="warm_start.make_model makes dense ones"):
-        load_config(TrainConfig, tiny, [f"run.output_dir={tmp_path}", "parallel.expert_parallel=2"])
+    for override in ("parallel.expert_parallel=2", "parallel.expert_tensor_parallel=1"):
+        with pytest.raises(ConfigError, match=f"{override} needs a mixture-of-experts model, and "
+                                              f"warm_start.make_model makes dense ones"):
+            load_config(TrainConfig, tiny, [f"run.output_dir={tmp_path}", override])
     with pytest.raises(ConfigError, match="parallel.expert_parallel=2 applies to model.backend=megatron only"):
         TrainConfig(model=ModelConfig(hf_dir=models["dense"], backend="deepspeed"),
                     parallel=ParallelConfig(expert_parallel=2))
@@ -585,10 +602,13 @@ def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
     logp = {}  # layout -> {row: log-probs}, from the ranks that hold them (the last stage)
     for r in ranks:
         for name, run in r.items():
+            if name not in LAYOUTS:
+                continue
             if run["logp_old"] is not None:
                 for i, row in zip(range(*run["rows"]), run["logp_old"]):
                     logp.setdefault(name, {})[i] = row
-    layouts = (("ep2", "ep1"), ("ep4", "ep1"), ("tp2-ep2", "ep1"), ("pp2-ep2", "ep1"), ("shared-tp2-ep2", "shared-ep1"))
+    layouts = (("ep2", "ep1"), ("ep4", "ep1"), ("tp2-ep2", "ep1"), ("pp2-ep2", "ep1"), ("tp2-etp1-ep2", "ep1"),
+               ("tp2-etp1-ep4", "ep1"), ("shared-tp2-ep2", "shared-ep1"))
     for name, reference in layouts:
         ep1 = ranks[0][reference]
         assert sorted(logp[name]) == list(range(8)), name
@@ -608,3 +628,6 @@ def test_layouts_with_experts_train_as_ep1(models, tmp_path_factory):
                 assert rel[worst] < 2e-14, (name, step, worst, rel[worst])
     for ep1 in (ranks[0]["ep1"], ranks[0]["shared-ep1"]):
         assert ep1["steps"][0]["router/replay_agreement"] == 1.0 > ep1["steps"][1]["router/replay_agreement"]
+    for r in ranks:  # the TP=2 x ETP=1 x EP=2 checkpoint loaded at TP = EP = 1: the same weights, bit for bit
+        saved, loaded = r["etp1-ckpt"]["saved"], r["etp1-ckpt"]["loaded"]
+        assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -126,7 +126,7 @@ def test_acceptance_qwen2_5_32b_parameters_and_weight_bytes(capsys):
     expected = hf_parameter_count(HF_CONFIGS / "Qwen2.5-32B")
     assert rc == 0 and abs(plan["parameters"] / expected - 1) < 0.01
     assert abs(plan["weight_bytes_per_replica"] / (2 * plan["parameters"]) - 1) < 0.01  # bf16
-    assert plan["layout"] == {"tp": 8, "pp": 2, "dp": 1, "ep": 1} and plan["fits"]
+    assert plan["layout"] == {"tp": 8, "pp": 2, "dp": 1, "ep": 1, "etp": 8} and plan["fits"]
     assert plan["per_gpu_bytes"] == sum(plan["components"].values())
 
 
@@ -137,7 +137,7 @@ def test_32b_recipes_fit_on_8_gpu_nodes_of_80_gb(capsys, model, algorithm, nodes
     rc, out, err = plan_cli(capsys, *recipe_args(model, algorithm, nodes), "--json")
     assert rc == 0, err
     plan = json.loads(out)
-    assert plan["fits"] and plan["layout"] == {"tp": 8, "pp": 2, "dp": nodes // 2, "ep": 1}
+    assert plan["fits"] and plan["layout"] == {"tp": 8, "pp": 2, "dp": nodes // 2, "ep": 1, "etp": 8}
     assert (plan["components"]["reference_weights"] > 0) == (algorithm == "prob_l2")  # a regulariser needs it
 
 

@@ -31,10 +31,12 @@ from tests.test_plan import recipe_args as plan_recipe_args
 from tests.torchrun import run_torchrun
 
 MICRO_BATCH, SEQ_LEN = 2, 48
-LAYOUTS_2 = [(1, 1, 2, "adam"), (1, 1, 2, "sgd"), (1, 1, 1, "adam"), (1, 2, 1, "adam")]
-"""TP, PP, EP, optimizer on 2 ranks: DP = 2 (expert-DP 1), 2 (SGD: no distributed optimizer), 2, 1."""
-LAYOUTS_4 = [(1, 1, 2, "adam")]
-"""... and on 4 ranks: DP = 4, expert-DP 2."""
+LAYOUTS_2 = [(1, 1, 2, "adam", None), (1, 1, 2, "sgd", None), (1, 1, 1, "adam", None), (1, 2, 1, "adam", None),
+             (2, 1, 2, "adam", 1)]
+"""TP, PP, EP, optimizer, ETP on 2 ranks: DP = 2 (expert-DP 1), 2 (SGD: no distributed optimizer), 2,
+1, and TP=2 with whole experts split EP=2 over the TP ranks (DP 1, expert-DP 1)."""
+LAYOUTS_4 = [(1, 1, 2, "adam", None), (2, 1, 2, "adam", 1)]
+"""... and on 4 ranks: DP = 4, expert-DP 2; TP=2 x DP=2 with ETP=1 x EP=2 (expert-DP 2)."""
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,11 @@ def two(tiny_moe) -> list[dict]:
 def _assert_planned_state_is_megatrons(records: list[dict], hf_dir: str) -> None:
     arch = arch_from_hf_config(load_hf_config(hf_dir))
     for r in records:
-        params = stage_params(arch, r["tp"], r["pp"], r["pp_rank"], ep=r["ep"])
+        layout = Layout(r["tp"], r["pp"], r["dp"], r["ep"], r["etp"])
+        assert layout.expert_dp == r["expert_dp"], r
+        params = stage_params(arch, r["tp"], r["pp"], r["pp_rank"], ep=r["ep"], etp=r["etp"])
         assert [(p.name, p.numel, p.allreduce) for p in params] == [tuple(p) for p in r["params"]], r
-        state = state_bytes(params, "bfloat16", r["opt"], r["dp"], r["dp_rank"], ep=r["ep"],
+        state = state_bytes(params, "bfloat16", r["opt"], r["dp"], r["dp_rank"], expert_dp=layout.expert_dp,
                             expert_dp_rank=r["expert_dp_rank"])
         measured = {k: r[k] for k in ("weights", "grads", "main_params", "optimizer")}
         assert measured == {"weights": state.weights, "grads": state.grads, "main_params": state.main_params,
@@ -77,7 +81,7 @@ def test_a_shared_expert_is_planned_as_megatron_allocates_it(tmp_path_factory):
 
     hf_dir = str(make_tiny_model(tmp_path_factory.mktemp("plan-shared") / "shared", family="qwen2_moe", head_dim=16,
                                  ffn=32, experts=8, experts_per_token=2))
-    records = _allocations(hf_dir, 2, [(1, 1, 2, "adam")])
+    records = _allocations(hf_dir, 2, [(1, 1, 2, "adam", None)])
     _assert_planned_state_is_megatrons(records, hf_dir)
     assert all(sum(".shared_experts." in n for n, *_ in r["params"]) == 2 * 3 for r in records)  # layers x 3
     arch = arch_from_hf_config(load_hf_config(hf_dir))
@@ -86,22 +90,26 @@ def test_a_shared_expert_is_planned_as_megatron_allocates_it(tmp_path_factory):
 
 def test_planned_parameters_gradients_and_optimizer_state_equal_megatrons(two, tiny_moe):
     _assert_planned_state_is_megatrons(two, tiny_moe)
-    assert {(r["tp"], r["pp"], r["ep"], r["opt"], r["dp"]) for r in two} == {lay + (2 // lay[1],) for lay in LAYOUTS_2}
+    assert {(r["tp"], r["pp"], r["ep"], r["opt"], r["etp"], r["dp"]) for r in two} == {
+        lay + (2 // (lay[0] * lay[1]),) for lay in LAYOUTS_2}
     # EP=2: each rank holds half the experts, in buffers of their own; DP=2 shards the dense rest
-    ep2 = [r for r in two if r["ep"] == 2 and r["opt"] == "adam"]
+    ep2 = [r for r in two if r["ep"] == 2 and r["opt"] == "adam" and r["tp"] == 1]
     assert [sum(".experts." in n for n, *_ in r["params"]) for r in ep2] == [2 * 4 * 2] * 2  # layers x 4 x (fc1, fc2)
     assert len({r["optimizer"] for r in ep2}) > 1
 
 
 @pytest.mark.slow
 def test_expert_optimizer_shards_over_expert_data_parallel_ranks_equal_megatrons(tiny_moe):
-    four = _allocations(tiny_moe, 4, LAYOUTS_4)
-    _assert_planned_state_is_megatrons(four, tiny_moe)
-    assert sorted(r["expert_dp_rank"] for r in four) == [0, 0, 1, 1]
-    # the dense shards cover every dense parameter once over DP=4, the experts' once over expert-DP=2 per EP rank
-    dense = sum(n for _, n, allreduce in four[0]["params"] if allreduce)
-    experts = sum(n for _, n, allreduce in four[0]["params"] if not allreduce)
-    assert sum(r["optimizer"] for r in four) == 8 * (dense + 2 * experts)
+    records = _allocations(tiny_moe, 4, LAYOUTS_4)
+    _assert_planned_state_is_megatrons(records, tiny_moe)
+    for tp in (1, 2):  # DP=4 x EP=2; TP=2 x DP=2 with ETP=1 x EP=2 (expert-DP 2 either way)
+        four = [r for r in records if r["tp"] == tp]
+        assert sorted(r["expert_dp_rank"] for r in four) == [0, 0, 1, 1]
+        # the dense shards cover every dense parameter once over DP (x TP shards), the experts' once over
+        # expert-DP=2 per EP rank
+        dense = sum(n for _, n, allreduce in four[0]["params"] if allreduce)
+        experts = sum(n for _, n, allreduce in four[0]["params"] if not allreduce)
+        assert sum(r["optimizer"] for r in four) == 8 * (dense * tp + 2 * experts), tp
 
 
 def test_planned_activations_are_within_2_percent_of_the_saved_tensors(two, tiny_moe):
@@ -119,8 +127,8 @@ def test_planned_activations_are_within_2_percent_of_the_saved_tensors(two, tiny
 
 # --------------------------------------------------------------------------- the CLI and the recipes
 
-RECIPES_MOE = {"qwen3-30b-a3b": ("Qwen3-30B-A3B", {"tp": 1, "pp": 2, "ep": 8}, (2, 4)),
-               "qwen3-235b-a22b": ("Qwen3-235B-A22B", {"tp": 4, "pp": 4, "ep": 8}, (16, 32))}
+RECIPES_MOE = {"qwen3-30b-a3b": ("Qwen3-30B-A3B", {"tp": 1, "pp": 2, "ep": 8, "etp": 1}, (2, 4)),
+               "qwen3-235b-a22b": ("Qwen3-235B-A22B", {"tp": 4, "pp": 4, "ep": 8, "etp": 4}, (16, 32))}
 """recipe -> (public config, configured layout, node counts of 8 GPUs it is planned on)."""
 
 
@@ -161,7 +169,7 @@ def test_the_table_shows_expert_parallelism(capsys):
     rc, out, err = plan_cli(capsys, *recipe_args("qwen3-30b-a3b", "dapo", 2))
     assert rc == 0, err
     assert "30.53B parameters; TP=1 x PP=2 x DP=8 (EP=8) on 2 x 8 GPUs" in out
-    assert "smallest TP x PP x EP that fits on 16 GPUs of 80 GiB: TP=1 x PP=1 x DP=16 (EP=16)" in out
+    assert "smallest TP x PP x EP (ETP) that fits on 16 GPUs of 80 GiB: TP=1 x PP=1 x DP=16 (EP=16)" in out
 
 
 def test_expert_parallelism_splits_the_experts_state(capsys):
@@ -182,9 +190,15 @@ def test_candidate_layouts_search_expert_parallelism():
     arch = arch_from_hf_config(json.loads((HF_CONFIGS / "Qwen3-30B-A3B" / "config.json").read_text()))
     layouts = candidate_layouts(arch, world=16, gpus_per_node=8)
     assert {lay.ep for lay in layouts if (lay.tp, lay.pp) == (1, 1)} == {1, 2, 4, 8, 16}
-    assert {lay.ep for lay in layouts if (lay.tp, lay.pp) == (4, 2)} == {1, 2}
-    assert all(lay.dp % lay.ep == 0 and arch.num_experts % lay.ep == 0 for lay in layouts)
+    # TP=4 x DP=2: experts split over TP (EP over the DP ranks), or whole (ETP=1: EP over all 8)
+    assert {(lay.expert_tp, lay.ep) for lay in layouts if (lay.tp, lay.pp) == (4, 2)} == {
+        (4, 1), (4, 2), (1, 2), (1, 4), (1, 8)}
+    assert all((lay.tp * lay.dp) % (lay.expert_tp * lay.ep) == 0 and arch.num_experts % lay.ep == 0 for lay in layouts)
     assert all(lay.tp <= 4 for lay in layouts)  # 4 KV heads
     assert str(Layout(1, 2, 8, 8)) == "TP=1 x PP=2 x DP=8 (EP=8)" and str(Layout(1, 2, 8)) == "TP=1 x PP=2 x DP=8"
-    with pytest.raises(ValueError, match="EP must divide DP"):
+    assert str(Layout(4, 2, 2, 8, 1)) == "TP=4 x PP=2 x DP=2 (EP=8, ETP=1)"
+    assert Layout(4, 2, 2, 8, 1).expert_dp == 1 and Layout(4, 1, 4, 4).expert_dp == 1
+    with pytest.raises(ValueError, match="ETP x EP must divide"):
         Layout(1, 1, 6, 4)
+    with pytest.raises(ValueError, match="ETP must divide TP"):
+        Layout(4, 1, 2, 2, 3)

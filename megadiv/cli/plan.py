@@ -1,8 +1,8 @@
 """``megadiv plan CONFIG... --nodes N --gpus-per-node G --gpu-memory-gib M [--hf-config FILE] [--json]``.
 
 Per-GPU memory of a run before it is launched (megadiv.models.plan): by component for the
-configured TP x PP (DP is what the world leaves; with experts the configured EP), whether it fits,
-and the smallest TP x PP (with experts, and EP) that fits. The architecture comes from
+configured TP x PP (DP is what the world leaves; with experts the configured EP and ETP), whether
+it fits, and the smallest TP x PP (with experts, and EP and ETP) that fits. The architecture comes from
 ``model.hf_dir/config.json``, or before the checkpoint is on disk from ``--hf-config FILE`` or the
 recipe model's public config in examples/hf_configs/ (stand_in.py).
 """
@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
             return None
 
     tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
-    configured = plan_for(Layout(tp, pp, cfg.parallel.data_parallel_size(world), cfg.parallel.expert_parallel),
-                          stage_layers)
+    configured = plan_for(Layout(tp, pp, cfg.parallel.data_parallel_size(world), cfg.parallel.expert_parallel,
+                                 cfg.parallel.expert_tensor_parallel_size), stage_layers)
     if configured is None:
         print(f"megadiv: invalid config: the batch (grpo.prompts_per_step x rollout.n_samples / grpo.mini_batches) "
               f"does not split into whole grpo.micro_batch_size={cfg.grpo.micro_batch_size} micro-batches over "
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             "smallest_fitting_layout": smallest.as_dict()["layout"] if smallest else None}, indent=2))
     else:
         print(table(configured, args, cfg))
-        searched = "TP x PP x EP" if arch.is_moe else "TP x PP"
+        searched = "TP x PP x EP (ETP)" if arch.is_moe else "TP x PP"
         print(f"smallest {searched} that fits on {world} GPUs of {args.gpu_memory_gib:g} GiB: "
               + (f"{smallest.layout} ({smallest.worst.total / GiB:.1f} GiB per GPU)" if smallest else "none"))
     return 0

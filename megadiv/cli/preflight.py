@@ -148,7 +148,7 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
 
     p = cfg.parallel
     try:
-        check_expert_parallel(arch, p.tensor_parallel, p.expert_parallel, p.sequence_parallel)
+        check_expert_parallel(arch, p.tensor_parallel, p.expert_parallel, p.sequence_parallel, p.expert_tensor_parallel)
     except ConfigError as e:
         raise ConfigError(f"model.hf_dir={hf_dir}: parallel.{e}") from None
     if not arch.is_moe:

@@ -107,8 +107,9 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
                           f"match the initialised parallel state TP={tp} PP={pp}")
     _check_divisible(arch, tp, pp)
     ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     sequence_parallel = parallel.sequence_parallel if parallel else False
-    check_expert_parallel(arch, tp, ep, sequence_parallel)
+    check_expert_parallel(arch, tp, ep, sequence_parallel, etp)
     if arch.is_moe:
         _define_te_general_gemm()
     if stage_layers is None and parallel is not None:
@@ -261,19 +262,31 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def check_expert_parallel(arch: ArchSpec, tp: int, ep: int, sequence_parallel: bool) -> None:
+def check_expert_parallel(arch: ArchSpec, tp: int, ep: int, sequence_parallel: bool, etp: int | None = None) -> None:
     """The layouts megadiv builds a model at: EP dividing a mixture-of-experts model's experts,
-    sequence parallelism with experts at TP > 1 (megatron's MoE layer refuses to train without
-    it); EP = 1 for a dense model."""
+    expert tensor parallelism (``etp``, None: TP) dividing their width, sequence parallelism with
+    experts at TP > 1 (megatron's MoE layer refuses to train without it), and EP > 1 wherever
+    ETP < TP: megatron reduces an expert's gradients over its expert-data-parallel group only
+    under EP > 1 (otherwise over the data-parallel group, which would leave out the tensor-parallel
+    ranks that ran the other sequence slices); EP = 1 and ETP = TP for a dense model."""
+    etp = tp if etp is None else etp
     if not arch.is_moe:
         if ep > 1:
             raise ConfigError(f"expert_parallel={ep} needs a mixture-of-experts model; {arch.family} is dense")
+        if etp != tp:
+            raise ConfigError(f"expert_tensor_parallel={etp} needs a mixture-of-experts model; {arch.family} is dense")
         return
     if arch.num_experts % ep:
         raise ConfigError(f"expert_parallel={ep} does not divide the {arch.num_experts} experts of this model")
+    if arch.moe_ffn_hidden_size % etp:
+        raise ConfigError(f"expert_tensor_parallel={etp} does not divide the expert width {arch.moe_ffn_hidden_size}")
     if tp > 1 and not sequence_parallel:
         raise ConfigError(f"tensor_parallel={tp} with a mixture-of-experts model needs sequence_parallel=true "
                           f"(megatron's MoE layer trains with TP > 1 under sequence parallelism only)")
+    if etp < tp and ep == 1:
+        raise ConfigError(f"expert_tensor_parallel={etp} below tensor_parallel={tp} needs expert_parallel > 1: "
+                          f"megatron reduces the experts' gradients over their expert-data-parallel group only "
+                          f"under expert parallelism")
 
 
 def mark_tensor_parallel(module: torch.nn.Module) -> None:

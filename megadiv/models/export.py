@@ -11,8 +11,9 @@ order (the family table's order: embedding, layer 0, layer 1, ..., final norm, l
 unpadded, HF-named tensors on the model's device in the parameters' dtype. Per HF tensor group
 (one Megatron parameter: q/k/v, gate/up or a single tensor):
 
-1. the PP stage owning it all-gathers its TP shards in the TP group and undoes the fusion and the
-   vocabulary padding (megadiv.models.sharding.unshard);
+1. the PP stage owning it all-gathers its TP shards in the TP group (an expert's in the
+   expert-tensor-parallel group) and undoes the fusion and the vocabulary padding
+   (megadiv.models.sharding.unshard);
 2. an expert's tensors (mixture-of-experts models) are held by one expert-parallel rank of that
    stage, expert g by EP rank g // local_experts: it broadcasts them over the EP group;
 3. that stage broadcasts each HF tensor to the other stages over the PP group.
@@ -47,7 +48,7 @@ def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str,
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep_ranks = dist.get_process_group_ranks(ep_group)
     local_experts = model.arch.num_experts // len(ep_ranks)
-    tp = dist.get_world_size(tp_group)
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
     local = dict(megatron_params(model))
     on_stage = _names_on_stage(local, ep_group)
     owner = _owner_stages(on_stage, pp_group)
@@ -64,7 +65,8 @@ def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str,
                 raise RuntimeError(f"no pipeline stage holds {name}")
             expert = group[0].expert
             if name in local:  # this rank holds it: gather TP shards, undo fusion and padding
-                hf = _gather_unshard(local[name], group[0].rule.layout, tp, tp_group, model.arch)
+                hf = _gather_unshard(local[name], group[0].rule.layout, tp_group if expert is None else expert_tp_group,
+                                     model.arch)
                 tensors = [hf[t.index].to(dtype) for t in group]
             else:
                 tensors = [torch.empty(t.shape, dtype=dtype, device=device) for t in group]
@@ -78,8 +80,9 @@ def iter_hf_weight_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str,
         yield out
 
 
-def _gather_unshard(param: torch.Tensor, layout: Layout, tp: int, tp_group, arch) -> list[torch.Tensor]:
+def _gather_unshard(param: torch.Tensor, layout: Layout, tp_group, arch) -> list[torch.Tensor]:
     local = param.detach()
+    tp = dist.get_world_size(tp_group)
     if tp == 1 or layout is Layout.REPLICATED:
         shards = [local]
     else:

@@ -124,11 +124,14 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, arch: ArchSpec) -> None:
 
 @torch.no_grad()
 def load_hf_weights(model, hf_dir: str | Path) -> None:
-    """Fill every parameter of ``model`` (a MegatronModel) with its TP shard from ``hf_dir``."""
+    """Fill every parameter of ``model`` (a MegatronModel) with its TP shard from ``hf_dir`` (an
+    expert's: its shard over the expert-tensor-parallel group)."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    expert_rank = parallel_state.get_expert_tensor_parallel_rank()
     rules = rule_index(model)
     ckpt = SafetensorsCheckpoint(hf_dir)
     try:
@@ -142,8 +145,9 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
                                               f"{model.family.name} weight table (megadiv/models/families.py)")
                 rule, layer, expert = rules[name]
                 names = rule.hf_names(layer, expert)
-                part = shard(rule.layout, [ckpt.slice(n) for n in names], rank, tp, model.arch,
-                             model.padded_vocab_size)
+                part = shard(rule.layout, [ckpt.slice(n) for n in names], *((rank, tp) if expert is None else
+                                                                              (expert_rank, etp)),
+                             model.arch, model.padded_vocab_size)
                 if tuple(part.shape) != tuple(param.shape):
                     raise WeightMismatchError(f"{name}: shard built from {names} has shape "
                                               f"{list(part.shape)}, the megatron parameter {list(param.shape)}")

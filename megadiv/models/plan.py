@@ -11,9 +11,10 @@ in DDP's contiguous buffers (``distributed/param_and_grad_buffer.py``: reverse o
 distributed optimizer each parameter start padded to 64 elements and each bucket end to
 lcm(DP, 128), the shared embedding in its own bucket), and the distributed optimizer's DP shard of
 every bucket (``optimizer/distrib_optimizer.py``). A mixture-of-experts layer holds its router and
-num_experts/EP local experts; under EP > 1 these experts' weights sit in DDP buffers of their own,
-reduced and sharded over the expert-data-parallel group of DP/EP ranks
-(``distributed_data_parallel.py``: parameters without ``allreduce``). tests/test_plan.py and
+num_experts/EP local experts, each split over the expert-tensor-parallel ranks (ETP, TP by
+default); under EP > 1 these experts' weights sit in DDP buffers of their own, reduced and sharded
+over the expert-data-parallel group of TP x DP / (ETP x EP) ranks (``distributed_data_parallel.py``:
+parameters without ``allreduce``). tests/test_plan.py and
 tests/test_plan_moe.py check these numbers against what megatron allocates on CPU, exactly.
 
 Activations are the tensors saved for backward per micro-batch, written term by term from what the
@@ -49,18 +50,33 @@ class Layout:
     pp: int
     dp: int
     ep: int = 1
-    """Expert-parallel ranks: data-parallel ranks splitting the experts (num_experts/EP each); the
-    experts' own tensor parallelism is TP (megatron's default expert_tensor_parallel_size)."""
+    """Expert-parallel ranks splitting the experts (num_experts/EP each)."""
+    etp: int | None = None
+    """Expert tensor parallelism (parallel.expert_tensor_parallel): each expert split over ETP
+    ranks; None: TP (megatron's default expert_tensor_parallel_size)."""
 
     def __post_init__(self):
-        if min(self.tp, self.pp, self.dp, self.ep) < 1 or self.dp % self.ep:
-            raise ValueError(f"{self}: sizes must be >= 1 and EP must divide DP (EP ranks are DP ranks)")
+        if min(self.tp, self.pp, self.dp, self.ep, self.expert_tp) < 1 or self.tp % self.expert_tp:
+            raise ValueError(f"{self}: sizes must be >= 1 and ETP must divide TP")
+        if (self.tp * self.dp) % (self.expert_tp * self.ep):
+            raise ValueError(f"{self}: ETP x EP must divide the TP x DP ranks of a stage (expert groups are cut "
+                             f"from them)")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: ranks holding the same expert shard, per stage."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     def __str__(self) -> str:
-        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" + (f" (EP={self.ep})" if self.ep > 1 else "")
+        experts = ", ".join([f"EP={self.ep}"] * (self.ep > 1) + [f"ETP={self.expert_tp}"] * (self.expert_tp != self.tp))
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" + (f" ({experts})" if experts else "")
 
     def as_dict(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "etp": self.expert_tp}
 
 
 @dataclass(frozen=True)
@@ -126,15 +142,16 @@ class Param:
     """megatron's flag for a tied embedding split over the first and last stages (own DDP bucket)."""
     allreduce: bool = True
     """megatron's flag, False for an expert weight under EP > 1: its gradient is reduced over the
-    expert-data-parallel group (DP/EP ranks), in DDP buffers of its own."""
+    expert-data-parallel group (TP x DP / (ETP x EP) ranks), in DDP buffers of its own."""
 
 
 def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: list[int] | None = None,
-                 vocab_multiple: int = VOCAB_MULTIPLE, ep: int = 1) -> list[Param]:
+                 vocab_multiple: int = VOCAB_MULTIPLE, ep: int = 1, etp: int | None = None) -> list[Param]:
     """One TP (and EP) rank's parameters of pipeline ``stage``, in megatron's registration order
     (local spec; Transformer Engine fuses the norms into the linear layers: same sizes, other names).
     A mixture-of-experts layer has, in place of the MLP, a router [E, h] replicated over TP and its
-    E/EP local experts, each split over TP as the dense MLP is (fc1 by columns, fc2 by rows)."""
+    E/EP local experts, each split over ETP (``etp``, None: TP) ranks as the dense MLP is over TP (fc1
+    by columns, fc2 by rows)."""
     family = FAMILIES[arch.family]
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
@@ -158,11 +175,11 @@ def stage_params(arch: ArchSpec, tp: int, pp: int, stage: int, stage_layers: lis
         out.append(Param(layer + "pre_mlp_layernorm.weight", h))
         if arch.is_moe:
             out.append(Param(layer + "mlp.router.weight", arch.num_experts * h))
-            fe = arch.moe_ffn_hidden_size
+            fe = arch.moe_ffn_hidden_size // (etp or tp)
             for j in range(arch.num_experts // ep):
                 expert = f"{layer}mlp.experts.local_experts.{j}."
-                out += [Param(expert + "linear_fc1.weight", 2 * fe // tp * h, allreduce=ep == 1),
-                        Param(expert + "linear_fc2.weight", h * fe // tp, allreduce=ep == 1)]
+                out += [Param(expert + "linear_fc1.weight", 2 * fe * h, allreduce=ep == 1),
+                        Param(expert + "linear_fc2.weight", h * fe, allreduce=ep == 1)]
             if arch.moe_shared_expert_hidden_size:  # its own gate first, then its MLP split over TP
                 fs, shared = arch.moe_shared_expert_hidden_size, f"{layer}mlp.shared_experts."
                 out += [Param(shared + "gate_weight", h), Param(shared + "linear_fc1.weight", 2 * fs // tp * h),
@@ -273,16 +290,18 @@ class StateBytes:
 
 
 def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, dp_rank: int = 0,
-                distributed_optimizer: bool | None = None, ep: int = 1, expert_dp_rank: int = 0) -> StateBytes:
+                distributed_optimizer: bool | None = None, expert_dp: int | None = None,
+                expert_dp_rank: int = 0) -> StateBytes:
     """Actor state on one rank (megadiv.policy.megatron: megatron's distributed optimizer where
     ``optim.distributed_optimizer`` puts it, by default with Adam at DP > 1; the plain one otherwise).
     Parameters without ``allreduce`` (experts under EP > 1) are laid out in buffers of their own and
-    sharded over the expert-data-parallel group (DP/EP ranks; this rank ``expert_dp_rank`` there)."""
+    sharded over the expert-data-parallel group (``expert_dp`` ranks, Layout.expert_dp; this rank
+    ``expert_dp_rank`` there)."""
     distributed = OptimConfig(optimizer=optimizer, distributed_optimizer=distributed_optimizer).shards_state(dp)
     e = DTYPE_BYTES[params_dtype]
     buffered = weights = owned = expert_weights = 0
     for group, size, rank in (([p for p in params if p.allreduce], dp, dp_rank),
-                              ([p for p in params if not p.allreduce], dp // ep, expert_dp_rank)):
+                              ([p for p in params if not p.allreduce], expert_dp or dp, expert_dp_rank)):
         if not group:  # megatron builds no buffer for an empty group
             continue
         layout = buffer_layout(group, distributed, size)
@@ -302,7 +321,7 @@ def state_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int,
 
 
 def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_len: int, params_dtype: str,
-                           spec: str = "te", sequence_parallel: bool = False) -> int:
+                           spec: str = "te", sequence_parallel: bool = False, etp: int | None = None) -> int:
     """Bytes one transformer layer saves for backward for one micro-batch [b, s] on one TP rank.
 
     Per token, with e the weight dtype's bytes, a/g/d the heads/KV heads/head width per rank, f the
@@ -318,12 +337,14 @@ def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_l
         + QK-norm (a+g)de + 4(a+g) (Qwen3).
     mixture of experts, in place of the SwiGLU term (either spec: megatron's MoE layer, the token
     dispatcher and SequentialMLP are the same modules), with E experts, top-k, F the expert width
-    per TP rank and H the full hidden width: whatever EP, an even load puts k rows per token of the
-    sequence on this rank's E/EP experts (the EP group gathers EP x the tokens; 1/EP of their k
-    rows are local), each keeping its permuted input eH and the SwiGLU-with-probabilities
+    per expert-TP rank (``etp``, None: TP) and H the full hidden width: whatever EP, an even load
+    puts k ETP/TP rows per token of the sequence on this rank's E/EP experts (the dispatcher
+    gathers ETP x EP x the rank's tokens, s/TP under sequence parallelism; 1/EP of their k rows
+    are local), each keeping its permuted input eH and the SwiGLU-with-probabilities
     intermediates 6Fe, and its probability e:
-        k (eH + 6Fe + e) + routing map E (bool) and masked probabilities Ee + top-k probabilities
-        4k, top-k and permutation indices 16k.
+        k ETP/TP (eH + 6Fe + e) + routing map E (bool) and masked probabilities Ee + top-k
+        probabilities 4k, top-k and permutation indices 16k.
+    (Checked against the saved tensors at TP = 1 only.)
     """
     e = DTYPE_BYTES[params_dtype]
     family = FAMILIES[arch.family]
@@ -331,8 +352,9 @@ def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_l
     a, g, d = arch.num_attention_heads // tp, arch.num_query_groups // tp, arch.head_dim
     f, s, b = arch.ffn_hidden_size // tp, seq_len, micro_batch_size
     if arch.is_moe:
-        k, fe = arch.moe_router_topk, arch.moe_ffn_hidden_size // tp
-        mlp = k * (e * arch.hidden_size + 6 * fe * e + e) + arch.num_experts * (1 + e) + 4 * k + 16 * k
+        k, etp = arch.moe_router_topk, etp or tp
+        fe = arch.moe_ffn_hidden_size // etp
+        mlp = k * etp * (e * arch.hidden_size + 6 * fe * e + e) // tp + arch.num_experts * (1 + e) + 4 * k + 16 * k
         # a shared expert (Qwen2-MoE): the dense SwiGLU term at its width, and its gate's logit and
         # sigmoid (counted as the dense MLP is; not measured with one)
         mlp += ((5 if spec == "local" else 3) * (arch.moe_shared_expert_hidden_size // tp) + 2) * e \
@@ -385,18 +407,20 @@ MODEL_SPACE_OPTIMIZER_BYTES = 3 * 4
 exp_avg, exp_avg_sq): what the 'fully_reshardable' checkpoint format gathers on every DP rank's host."""
 
 
-def host_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, ep: int = 1) -> dict[str, int]:
+def host_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, expert_dp: int | None = None
+               ) -> dict[str, int]:
     """Host memory of one rank for a checkpoint save (megadiv.trainer.checkpoint): with the
     distributed optimizer its state gathered in model space (every DP rank, megatron's
     'fully_reshardable' without the memory-efficient exchange; its local experts' only), and the
     rank's share of the weights (and a plain optimizer's state) staged for the background writer
     (the fully parallel save deals what the replicas hold in common over them: 1/DP of the dense
-    weights each, 1/(DP/EP) of the experts')."""
+    weights each, 1/expert-DP of the experts')."""
     numel = sum(p.numel for p in params)
     gathered = numel * MODEL_SPACE_OPTIMIZER_BYTES if optimizer == "adam" else 0
     per_element = DTYPE_BYTES[params_dtype] + (4 if optimizer == "sgd" else 0)
     staged = sum(-(-n * per_element // size) for n, size in (
-        (sum(p.numel for p in params if p.allreduce), dp), (sum(p.numel for p in params if not p.allreduce), dp // ep)))
+        (sum(p.numel for p in params if p.allreduce), dp),
+        (sum(p.numel for p in params if not p.allreduce), expert_dp or dp)))
     return {"optimizer_state_gathered": gathered, "checkpoint_staging": staged}
 
 
@@ -421,7 +445,7 @@ class Plan:
     parameters: int
     weight_bytes_per_replica: int
     """Weight bytes of one copy of the model: summed over its TP x PP GPUs, and the experts over the
-    EP ranks that split them (padding and replicated norms included)."""
+    ETP x EP ranks that split them (padding and replicated norms included)."""
     stages: list[StagePlan]
     gpu_bytes: int
     activations_with_recompute: int
@@ -470,15 +494,16 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
     counts = stage_layer_counts(arch.num_layers, layout.pp, stage_layers)
     in_flight = min(layout.pp, work.micro_batches_in_flight)
     b, s, dt = work.micro_batch_size, work.seq_len, work.params_dtype
-    per_layer = layer_activation_bytes(arch, layout.tp, b, s, dt, work.spec, work.sequence_parallel)
+    per_layer = layer_activation_bytes(arch, layout.tp, b, s, dt, work.spec, work.sequence_parallel, layout.expert_tp)
     layer_input = b * s * arch.hidden_size // (layout.tp if work.sequence_parallel else 1) * DTYPE_BYTES[dt]
     stages, replica_weights, recompute = [], 0, 0
     for stage, layers in enumerate(counts):
         first, last = stage == 0, stage == layout.pp - 1
-        params = stage_params(arch, layout.tp, layout.pp, stage, stage_layers, ep=layout.ep)
+        params = stage_params(arch, layout.tp, layout.pp, stage, stage_layers, ep=layout.ep, etp=layout.expert_tp)
         state = state_bytes(params, dt, work.optimizer, layout.dp, distributed_optimizer=work.distributed_optimizer,
-                            ep=layout.ep)
-        replica_weights += (state.weights + state.expert_weights * (layout.ep - 1)) * layout.tp
+                            expert_dp=layout.expert_dp)
+        replica_weights += ((state.weights - state.expert_weights) * layout.tp
+                            + state.expert_weights * layout.ep * layout.expert_tp)
         boundary = boundary_activation_bytes(arch, layout.tp, b, s, dt, work.spec, first, last)
         # 1F1B: stage i holds min(PP - i, micro-batches) micro-batches' activations at its peak
         held = max(1, min(layout.pp - stage, work.micro_batches_in_flight)) if layout.pp > 1 else 1
@@ -500,8 +525,8 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
         }
         stages.append(StagePlan(stage, layers, components))
         recompute = max(recompute, held * (layers * layer_input + boundary) + per_layer)
-    first_params = stage_params(arch, layout.tp, layout.pp, 0, stage_layers, ep=layout.ep)
-    host = host_bytes(first_params, dt, work.optimizer, layout.dp, layout.ep) | {"batch": work.batch_host_bytes}
+    first_params = stage_params(arch, layout.tp, layout.pp, 0, stage_layers, ep=layout.ep, etp=layout.expert_tp)
+    host = host_bytes(first_params, dt, work.optimizer, layout.dp, layout.expert_dp) | {"batch": work.batch_host_bytes}
     notes = []
     if in_flight > 1:
         notes.append(f"1F1B keeps up to {in_flight} micro-batches of activations on the first stage")
@@ -530,19 +555,29 @@ def recomputed_layers(layers: int, work: Workload) -> int:
 
 
 def candidate_layouts(arch: ArchSpec, world: int, gpus_per_node: int) -> list[Layout]:
-    """Every TP x PP (x EP) that megadiv can build on ``world`` GPUs, smallest model-parallel size
-    first (then smaller PP, then larger EP: experts split further for the same GPUs): TP within a
-    node and dividing the heads, KV heads and MLP width (the experts' with experts); for a
-    mixture-of-experts model every power-of-two EP dividing the experts and DP."""
+    """Every TP x PP (x EP, ETP) that megadiv can build on ``world`` GPUs, smallest model-parallel
+    size first (then smaller PP, then larger EP: experts split further for the same GPUs, then
+    ETP = TP before ETP = 1: less expert memory per rank): TP within a node and dividing the heads
+    and KV heads; the MLP width (dense), the shared expert's and ETP the experts' (mixture of
+    experts: ETP = TP, or 1 with EP > 1); every power-of-two EP dividing the experts and the
+    stage's TP x DP / ETP ranks."""
     out = []
-    width = arch.moe_ffn_hidden_size if arch.is_moe else arch.ffn_hidden_size
     for tp in range(1, gpus_per_node + 1):
-        if gpus_per_node % tp or arch.num_query_groups % tp or arch.num_attention_heads % tp or width % tp:
+        if gpus_per_node % tp or arch.num_query_groups % tp or arch.num_attention_heads % tp:
+            continue
+        if (arch.moe_shared_expert_hidden_size if arch.is_moe else arch.ffn_hidden_size) % tp:
             continue
         for pp in range(1, arch.num_layers + 1):
             if world % (tp * pp):
                 continue
             dp = world // (tp * pp)
-            eps = [1 << i for i in range(dp.bit_length()) if not dp % (1 << i) and not arch.num_experts % (1 << i)]
-            out += [Layout(tp, pp, dp, ep) for ep in (eps if arch.is_moe else [1])]
-    return sorted(out, key=lambda lay: (lay.tp * lay.pp, lay.pp, -lay.ep))
+            if not arch.is_moe:
+                out.append(Layout(tp, pp, dp))
+                continue
+            for etp in sorted({tp, 1}, reverse=True):
+                if arch.moe_ffn_hidden_size % etp:
+                    continue
+                ranks = tp * dp // etp
+                out += [Layout(tp, pp, dp, 1 << i, etp) for i in range(ranks.bit_length())
+                        if not ranks % (1 << i) and not arch.num_experts % (1 << i) and (etp == tp or i > 0)]
+    return sorted(out, key=lambda lay: (lay.tp * lay.pp, lay.pp, -lay.ep, -lay.expert_tp))

@@ -101,8 +101,9 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> ParallelInfo:
         tensor_model_parallel_size=cfg.tensor_parallel,
         pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
-        # experts split over EP ranks taken from the data-parallel ranks; expert TP = TP
+        # experts split over EP ranks, each expert over ETP ranks, cut from each stage's TP x DP ranks
         expert_model_parallel_size=cfg.expert_parallel,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
     )
     torch.manual_seed(seed)

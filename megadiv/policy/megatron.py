@@ -106,8 +106,9 @@ class Policy:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         # the ranks that each hold a slice of every sequence between the attention blocks
         self.sequence_parallel_group = self.tp_group if parallel_cfg.sequence_parallel else None
-        self.expert_group = (parallel_state.get_expert_model_parallel_group() if parallel_cfg.expert_parallel > 1
-                             else None)
+        # the ranks megatron's token dispatcher gathers from (expert TP x EP: replicas of their own at EP > 1)
+        self.expert_group = (parallel_state.get_expert_tensor_and_model_parallel_group()
+                             if parallel_cfg.expert_parallel > 1 else None)
         self.vocab_start = tp_rank * self.model.padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.chunks = self.model.chunks

@@ -249,16 +249,16 @@ class TrainConfig:
                               f"or examples/hf_configs/<name>/config.json for a model directory named <name>)")
         self._check_backend()
         if self.model.backend == "megatron":  # DeepSpeed: TP = PP = 1, any HF config layout
-            if self.parallel.expert_parallel > 1 and self.warm_start.make_model != "none":
-                raise ConfigError(f"parallel.expert_parallel={self.parallel.expert_parallel} needs a mixture-of-experts "
-                                  f"model, and warm_start.make_model makes dense ones: make one with megadiv "
-                                  f"make-tiny-model --family qwen3_moe and set model.hf_dir")
-            if self.model.moe_aux_loss_coeff > 0 and self.warm_start.make_model != "none":
-                raise ConfigError(f"model.moe_aux_loss_coeff={self.model.moe_aux_loss_coeff} needs a mixture-of-experts "
-                                  f"model, and warm_start.make_model makes dense ones")
-            if self.grpo.routing_replay != "none" and self.warm_start.make_model != "none":
-                raise ConfigError(f"grpo.routing_replay={self.grpo.routing_replay} needs a mixture-of-experts model, "
-                                  f"and warm_start.make_model makes dense ones")
+            # warm_start.make_model makes dense models: the mixture-of-experts settings off their defaults
+            moe_only = {"parallel.expert_parallel": (self.parallel.expert_parallel, 1),
+                        "parallel.expert_tensor_parallel": (self.parallel.expert_tensor_parallel, None),
+                        "model.moe_aux_loss_coeff": (self.model.moe_aux_loss_coeff, 0.0),
+                        "grpo.routing_replay": (self.grpo.routing_replay, "none")}
+            for key, (value, default) in moe_only.items():
+                if value != default and self.warm_start.make_model != "none":
+                    raise ConfigError(f"{key}={value} needs a mixture-of-experts model, and warm_start.make_model "
+                                      f"makes dense ones: make one with megadiv make-tiny-model --family qwen3_moe "
+                                      f"and set model.hf_dir")
             if self.grpo.routing_replay != "none" and self.model.recompute_granularity != "none":
                 raise ConfigError(f"grpo.routing_replay={self.grpo.routing_replay} cannot be combined with "
                                   f"model.recompute_granularity={self.model.recompute_granularity}: the recomputed "
@@ -311,6 +311,7 @@ class TrainConfig:
                          "parallel.stage_layers": (p.stage_layers, None),
                          "parallel.sequence_parallel": (p.sequence_parallel, False),
                          "parallel.expert_parallel": (p.expert_parallel, 1),
+                         "parallel.expert_tensor_parallel": (p.expert_tensor_parallel, None),
                          "model.fp8": (m.fp8, "none"), "model.transformer_impl": (m.transformer_impl, "auto"),
                          "model.recompute_granularity": (m.recompute_granularity, "none"),
                          "model.moe_aux_loss_coeff": (m.moe_aux_loss_coeff, 0.0),

@@ -313,6 +313,8 @@ def _gradients(policy) -> dict[str, torch.Tensor]:
 TP2_EP2 = dict(tensor_parallel=2, sequence_parallel=True, expert_parallel=2)
 LAYOUTS = {"ep1": ("moe", {}), "ep2": ("moe", dict(expert_parallel=2)), "ep4": ("moe", dict(expert_parallel=4)),
            "tp2-ep2": ("moe", TP2_EP2), "pp2-ep2": ("moe", dict(pipeline_parallel=2, expert_parallel=2)),
+           "tp2-etp1-ep2": ("moe", TP2_EP2 | dict(expert_tensor_parallel=1)),
+           "tp2-etp1-ep4": ("moe", TP2_EP2 | dict(expert_tensor_parallel=1, expert_parallel=4)),
            "shared-ep1": ("shared", {}), "shared-tp2-ep2": ("shared", TP2_EP2)}
 
 
@@ -322,9 +324,12 @@ def layouts(ctx) -> dict:
     skewed rows (tests/dist/token_budget.py) split over the DP replicas: old log-probs (recording the routing;
     PP=2 x EP=2 is given EP=1's recording of all layers instead, as R3 is the engine's),
     two unclipped SGD steps (the second replays routing the first step has moved the routers away
-    from), and each step's gradients as HF tensors (_gradients)."""
+    from), and each step's gradients as HF tensors (_gradients). The TP=2 x ETP=1 x EP=2 actor's
+    checkpoint (megatron's distributed format) is loaded at EP=1 (TP = 1, each expert whole on
+    every rank): its weights exported there, and as the actor exported them."""
     from megadiv.config import ModelConfig, OptimConfig, ParallelConfig
     from megadiv.divergence import PolicyLossConfig
+    from megadiv.models import build_model, load_megatron_checkpoint, save_megatron_checkpoint
     from megadiv.parallel import initialize, shutdown
     from megadiv.policy.megatron import Policy
     from megadiv.policy.objectives import grpo_objective
@@ -357,6 +362,16 @@ def layouts(ctx) -> dict:
             steps.append(actor.train_step(batch, objective, 2))
             grads.append(_gradients(actor))
         out[name] = {"rows": [rows.start, rows.stop], "logp_old": batch.logp_old, "steps": steps, "grads": grads}
+        if name == "tp2-etp1-ep2":
+            ckpt = _shared_tmp(ctx, "etp1-ckpt")
+            save_megatron_checkpoint(actor.model, ckpt)
+            out["etp1-ckpt"] = {"saved": dict(_export(actor.model, 64 << 20)[0])}
+    shutdown(keep_default_group=True)
+    initialize(ParallelConfig())
+    resharded = build_model(ModelConfig(hf_dir=ctx.args["models"]["moe"], params_dtype="float64"), role="reference",
+                            load_weights=False)
+    load_megatron_checkpoint(resharded, ckpt)
+    out["etp1-ckpt"]["loaded"] = dict(_export(resharded, 64 << 20)[0])
     shutdown(keep_default_group=True)
     return out
 
