@@ -516,23 +516,27 @@ def test_megadiv_train_runs_a_moe_model_end_to_end_and_resumes_at_another_ep(mod
     assert worst < 1e-6, worst
 
 
-@pytest.mark.slow  # 4 ranks, about 3 minutes on 2 cores
+@pytest.mark.slow  # 4 ranks, about 4 minutes on 2 cores
 def test_megadiv_train_runs_tp_x_ep_with_engine_routing_and_a_load_balancing_loss(models, tmp_path):
     """``megadiv train`` of the tiny Qwen2-MoE (shared expert) at TP=2 x EP=2 with sequence
     parallelism on 4 ranks, R3 (the embedded engine's routing replayed) and the load-balancing
     loss on: the trainer routes as the engine did, the engine scores with the trainer's weights
-    after each sync; stopped after step 1 and resumed at TP = EP = 1 on 2 ranks."""
+    after each sync; stopped after step 1, resumed with whole experts (expert_tensor_parallel=1)
+    for step 2, and resumed at TP = EP = 1 on 2 ranks for step 3: each checkpoint (weights and
+    optimizer state) re-dealt to the next layout."""
     from tests.test_trainer import megadiv_train, step_records
 
     run = tmp_path / "tp2-ep2"
-    common = [f"model.hf_dir={models['shared']}", "warm_start.make_model=none", "eval.every=0", "grpo.steps=2",
+    common = [f"model.hf_dir={models['shared']}", "warm_start.make_model=none", "eval.every=0", "grpo.steps=3",
               "grpo.micro_batch_size=4", "grpo.routing_replay=r3", "model.moe_aux_loss_coeff=0.001"]
-    megadiv_train(run, *common, "parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
-                  "parallel.expert_parallel=2", "grpo.stop_after=1", nproc=4)
+    tp2_ep2 = ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "parallel.expert_parallel=2"]
+    megadiv_train(run, *common, *tp2_ep2, "grpo.stop_after=1", nproc=4)
+    out = megadiv_train(run, *common, *tp2_ep2, "parallel.expert_tensor_parallel=1", "grpo.stop_after=2", nproc=4)
+    assert "resumed from" in out and "step 2/3 | " in out
     out = megadiv_train(run, *common, "parallel.tensor_parallel=1", "parallel.expert_parallel=1", nproc=2)
-    assert "resumed from" in out and "step 2/2 | " in out
+    assert "resumed from" in out and "step 3/3 | " in out
     steps = step_records(run)
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["skipped"] == 0 and r["router/replay_agreement"] >= 0.99 for r in steps), steps
     assert all(r["sync/probe_abs_diff_mean"] < 1e-5 for r in steps if "sync/probe_abs_diff_mean" in r), steps
 

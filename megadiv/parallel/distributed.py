@@ -5,9 +5,10 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; :func:`initialize` reads th
 default process group (NCCL on GPUs, gloo on CPU) with the config's timeout, and builds
 megatron-core's TP/PP/DP groups. A plain ``python`` process (no torchrun) runs as a world of
 one. Megatron's rank order is tp-cp-ep-dp-pp: TP ranks are adjacent, so a TP group stays on one
-node whenever TP divides the GPUs per node. Expert-parallel groups (mixture-of-experts models) are
-cut from the data-parallel ranks: with TP=1, ranks r and r+1 hold different experts when EP=2, and
-an expert's gradients are reduced over its expert-data-parallel group (DP / EP ranks) only.
+node whenever TP divides the GPUs per node. Expert groups (mixture-of-experts models: ETP x EP x
+expert-DP, in the order tp-ep-dp-pp) are cut from each stage's TP x DP ranks: with TP=1, ranks r
+and r+1 hold different experts when EP=2; an expert's gradients are reduced over its
+expert-data-parallel group (TP x DP / (ETP x EP) ranks) only.
 """
 from __future__ import annotations
 
