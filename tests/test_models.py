@@ -205,8 +205,9 @@ def test_transformer_engine_spec_without_te_is_a_clear_error():
 
     if gpt_layer_specs.HAVE_TE:
         pytest.skip("Transformer Engine is installed")
-    with pytest.raises(ConfigError, match="needs Transformer Engine"):
-        layer_spec(FAMILIES["qwen2"], "transformer_engine")
+    for family, experts in (("qwen2", None), ("qwen3_moe", 8)):
+        with pytest.raises(ConfigError, match="needs Transformer Engine"):
+            layer_spec(FAMILIES[family], "transformer_engine", experts)
     with pytest.raises(ConfigError, match="needs Transformer Engine on a GPU"):
         _resolve_impl(ModelConfig(fp8="tensorwise"))
     assert _resolve_impl(ModelConfig()) == "local"

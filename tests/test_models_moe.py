@@ -113,6 +113,21 @@ def test_planned_parameter_count_equals_megatrons_and_transformers(models, one, 
     assert total - parameter_count(arch, active=True) == arch.num_layers * (8 - 2) * one_expert
 
 
+def test_experts_are_named_by_their_global_index_in_either_spec():
+    """megatron's SequentialMLP (local spec) and Transformer Engine's TEGroupedMLP name rank 1's
+    (of EP=2) local expert 3 differently; megadiv's canonical name, which the weight table, export
+    and checkpoints key on, is the same global expert 7 for both."""
+    from megadiv.models.loading import canonical_expert_name
+
+    experts = [4, 5, 6, 7]  # mlp.local_expert_indices on EP rank 1 of 2, 8 experts
+    for fc in ("linear_fc1", "linear_fc2"):
+        want = f"mlp.experts.local_experts.7.{fc}.weight"
+        assert canonical_expert_name(f"mlp.experts.local_experts.3.{fc}.weight", experts) == want
+        assert canonical_expert_name(f"mlp.experts.{fc}.weight3", experts) == want
+    for other in ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight"):
+        assert canonical_expert_name(other, experts) == other
+
+
 def test_ep2_holds_half_the_experts_each(two):
     assert [r["ep_rank"] for r in two] == [0, 1]
     assert [r["experts_held"] for r in two] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -376,7 +391,9 @@ def test_check_config_takes_moe_on_the_tested_paths_and_refuses_the_rest(models,
              "parallel.tensor_parallel=2 with a mixture-of-experts model needs sequence_parallel=true"),
             (["parallel.expert_parallel=2", "--world-size", "2", "grpo.max_tokens_per_micro_batch=100"],
              "grpo.max_tokens_per_micro_batch cannot be combined with parallel.expert_parallel > 1"),
-            (["model.transformer_impl=transformer_engine"], "with model.transformer_impl=transformer_engine yet")]:
+            (["grpo.pack_sequences=true", "model.transformer_impl=transformer_engine"],
+             "grpo.pack_sequences=true with a mixture-of-experts model (qwen3_moe): its micro-batches run padded"),
+            (["model.fp8=tensorwise"], "model.fp8=tensorwise with a mixture-of-experts model (qwen3_moe) is not")]:
         rc, err = check(models["moe"], *overrides)
         assert rc == 2 and message in err, (overrides, err)
     assert check(models["moe"], "model.moe_aux_loss_coeff=0.001")[0] == 0

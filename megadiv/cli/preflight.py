@@ -141,9 +141,8 @@ def _check_model_dir(hf_dir: Path, cfg: TrainConfig, check_weights: bool) -> Non
 
 def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
     """The expert-parallel layout suits the model (models.builder.check_expert_parallel), and a
-    mixture-of-experts model trains on megatron's local spec (the one megadiv maps experts of:
-    docs/models.md, Mixture of experts); routing replay needs experts, and R3 an engine that
-    returns its routing."""
+    mixture-of-experts model trains without FP8 and on padded micro-batches (docs/models.md,
+    Mixture of experts); routing replay needs experts, and R3 an engine that returns its routing."""
     from megadiv.models.builder import check_expert_parallel
 
     p = cfg.parallel
@@ -168,10 +167,13 @@ def _check_experts(arch, hf_dir: Path, cfg: TrainConfig) -> None:
                               f"engine returns (SGLang's routing capture is not wired: docs/models.md); "
                               f"rollout.engine={cfg.rollout.engine} runs {engine} here: use r2 or "
                               f"rollout.engine=embedded")
-    if cfg.model.transformer_impl == "transformer_engine":
-        raise ConfigError(f"model.hf_dir={hf_dir} is a mixture-of-experts model ({arch.family}): megadiv does not "
-                          f"train one with model.transformer_impl=transformer_engine yet; use transformer_impl=local "
-                          f"(docs/models.md, Mixture of experts)")
+    if cfg.model.fp8 != "none":
+        raise ConfigError(f"model.fp8={cfg.model.fp8} with a mixture-of-experts model ({arch.family}) is not supported "
+                          f"(docs/models.md, Mixture of experts): use model.fp8=none")
+    if cfg.grpo.pack_sequences:
+        raise ConfigError(f"grpo.pack_sequences=true with a mixture-of-experts model ({arch.family}): its "
+                          f"micro-batches run padded (router statistics and routing replay read padded positions); "
+                          f"leave it unset")
 
 
 def _resume_notes(cfg: TrainConfig, run_dir: Path, checksums: bool) -> list[str]:

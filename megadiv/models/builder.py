@@ -116,10 +116,11 @@ def build_model(source: ModelConfig | str | Path, role: Role = "actor", *, paral
         stage_layers = parallel.stage_layers
     padded = padded_vocab_size(arch.vocab_size, tp, vocab_multiple)
 
+    impl = _resolve_impl(cfg)
     config = transformer_config(arch, family, cfg, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel,
                                 stage_layers=stage_layer_counts(arch.num_layers, pp, stage_layers),
-                                initialize=not load_weights, ep=ep, **(config_overrides or {}))
-    impl = _resolve_impl(cfg, moe=arch.is_moe)
+                                initialize=not load_weights, ep=ep, etp=etp,
+                                grouped_experts=impl == "transformer_engine", **(config_overrides or {}))
     spec = layer_spec(family, impl, arch.num_experts or None)
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -161,8 +162,9 @@ def gradient_accumulation_fusion_available() -> bool:
 
 def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
                        sequence_parallel: bool, stage_layers: list[int], initialize: bool, ep: int = 1,
-                       **overrides):
-    """The megatron TransformerConfig reproducing the HF architecture exactly."""
+                       etp: int | None = None, grouped_experts: bool = False, **overrides):
+    """The megatron TransformerConfig reproducing the HF architecture exactly (a mixture-of-experts
+    model's: ``moe_fields``)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = getattr(torch, cfg.params_dtype)
@@ -201,7 +203,10 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
         gradient_accumulation_fusion=cuda and gradient_accumulation_fusion_available(),
     )
     if arch.is_moe:
-        fields.update(moe_fields(arch, ep, cfg.moe_aux_loss_coeff))
+        fields.update(moe_fields(arch, ep, cfg.moe_aux_loss_coeff, etp or tp, grouped_experts))
+    if cfg.fp8 != "none" and arch.is_moe:
+        raise ConfigError(f"model.fp8={cfg.fp8!r} with a mixture-of-experts model is not supported (megatron pads "
+                          f"each expert's tokens for FP8 GEMMs; not wired or tested here): use model.fp8=none")
     if cfg.fp8 != "none":
         from megadiv.models.fp8 import check_fp8_here
 
@@ -220,7 +225,7 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
     return config
 
 
-def moe_fields(arch: ArchSpec, ep: int, aux_loss_coeff: float = 0.0) -> dict:
+def moe_fields(arch: ArchSpec, ep: int, aux_loss_coeff: float = 0.0, etp: int = 1, grouped: bool = False) -> dict:
     """The TransformerConfig fields of a Qwen3-MoE / Qwen2-MoE layer, routed as transformers routes it.
 
     HF: p = softmax(x W_gate^T) over all E experts, keep the top k, and with norm_topk_prob
@@ -232,7 +237,9 @@ def moe_fields(arch: ArchSpec, ep: int, aux_loss_coeff: float = 0.0) -> dict:
     router_aux_loss_coef applies to pre-training): then megatron's per-micro-batch Switch loss
     coeff * E sum_e f_e P_e of each layer, whose gradient megatron scales, under the per-token loss,
     by the micro-batch's tokens T over the step's loss denominator D (router.py
-    _apply_aux_loss): coeff * sum_mb T_mb grad(aux_mb) / D."""
+    _apply_aux_loss): coeff * sum_mb T_mb grad(aux_mb) / D. ``etp``: ranks each expert is split
+    over; ``grouped``: Transformer Engine's grouped GEMM over a rank's experts (TEGroupedMLP) in
+    place of one MLP per expert (SequentialMLP, the local spec's)."""
     return dict(
         num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_router_topk, moe_router_score_function="softmax",
@@ -241,10 +248,9 @@ def moe_fields(arch: ArchSpec, ep: int, aux_loss_coeff: float = 0.0) -> dict:
         moe_aux_loss_coeff=aux_loss_coeff, moe_expert_capacity_factor=None,
         # alltoall sends each token to its experts' ranks only (megatron's default on GPUs); on the
         # CPU, where its CUDA streams do not exist, allgather: every EP rank gathers the group's
-        # tokens and runs its own experts on them. SequentialMLP experts (one MLP per expert;
-        # grouped GEMMs need CUDA or Transformer Engine).
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather", moe_grouped_gemm=False,
-        expert_model_parallel_size=ep,
+        # tokens and runs its own experts on them.
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather", moe_grouped_gemm=grouped,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         # a shared expert (Qwen2-MoE): out = experts(x) + sigmoid(x W_g) * mlp_shared(x)
         moe_shared_expert_intermediate_size=arch.moe_shared_expert_hidden_size or None,
         moe_shared_expert_gate=arch.moe_shared_expert_hidden_size > 0)
@@ -321,21 +327,26 @@ def mark_tensor_parallel(module: torch.nn.Module) -> None:
 
 
 def layer_spec(family: Family, impl: str, num_experts: int | None = None):
-    """Megatron's local layer spec, or the Transformer Engine spec (needs TE, i.e. a GPU)."""
+    """Megatron's local layer spec, or the Transformer Engine spec (needs TE, i.e. a GPU). With
+    experts: SequentialMLP (one MLP per expert) in the local spec, TE's grouped GEMM (TEGroupedMLP)
+    in the TE spec, whose MoE layer keeps the local spec's checkpoint key for its pre-MLP norm
+    (mlp.linear_fc1.layer_norm_weight, megadiv's canonical name), so checkpoints move between the
+    two specs (megatron makes the experts' keys interchangeable itself)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "local":
         return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                         qk_layernorm=family.qk_layernorm, normalization="RMSNorm")
-    if num_experts:
-        raise ConfigError("model.transformer_impl=transformer_engine with a mixture-of-experts model is not "
-                          "supported yet (megadiv maps megatron's SequentialMLP experts only); use "
-                          "transformer_impl=local")
     if not gpt_layer_specs.HAVE_TE:
         raise ConfigError("model.transformer_impl=transformer_engine needs Transformer Engine, which is not "
                           "importable here (pip install 'megadiv[gpu]' on a CUDA machine); use "
                           "transformer_impl=local, without fp8")
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=family.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=family.qk_layernorm)
+    if num_experts:
+        spec = copy.deepcopy(spec)
+        spec.submodules.sharded_state_dict_keys_map = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return spec
 
 
 def block_spec(layer: "ModuleSpec", config: "TransformerConfig", vp_stage: int | None):  # noqa: F821
@@ -374,13 +385,12 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _resolve_impl(cfg: ModelConfig, moe: bool = False) -> str:
+def _resolve_impl(cfg: ModelConfig) -> str:
     if cfg.transformer_impl != "auto":
         return cfg.transformer_impl
     from megatron.core.models.gpt import gpt_layer_specs
 
-    # MoE: megadiv maps the local spec's SequentialMLP experts only (layer_spec)
-    if torch.cuda.is_available() and gpt_layer_specs.HAVE_TE and not moe:
+    if torch.cuda.is_available() and gpt_layer_specs.HAVE_TE:
         return "transformer_engine"
     if cfg.fp8 != "none":
         raise ConfigError(f"model.fp8={cfg.fp8!r} needs Transformer Engine on a GPU; it is not available here")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator
@@ -37,8 +38,7 @@ def megatron_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
     are mapped through each layer's ``sharded_state_dict_keys_map`` (input_layernorm ->
     self_attention.linear_qkv.layer_norm_, the Transformer Engine spelling) and the local layer
     index is replaced by ``layer_number - 1`` (so PP stages, uneven splits and virtual stages all
-    name layers globally); a MoE layer's local expert index i by the global one,
-    ``mlp.local_expert_indices[i]`` = ep_rank * local_experts + i."""
+    name layers globally); a MoE layer's experts as :func:`canonical_expert_name` names them."""
     for gpt in model.gpt_models:
         for name, p in gpt.named_parameters():
             if not name.startswith("decoder.layers."):
@@ -53,13 +53,28 @@ def megatron_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
                     if name.startswith(old):
                         name = new + name[len(old):]
                         break
-                if global_experts is not None and name.startswith(_LOCAL_EXPERTS):
-                    local, rest = name[len(_LOCAL_EXPERTS):].split(".", 1)
-                    name = f"{_LOCAL_EXPERTS}{global_experts[int(local)]}.{rest}"
+                if global_experts is not None:
+                    name = canonical_expert_name(name, global_experts)
                 yield f"decoder.layers.{layer.layer_number - 1}.{name}", p
 
 
 _LOCAL_EXPERTS = "mlp.experts.local_experts."
+_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def canonical_expert_name(name: str, global_experts: list[int]) -> str:
+    """A MoE layer's parameter ``name`` with its expert named by the global index: local expert i
+    is expert ``global_experts[i]`` = ep_rank * local_experts + i (``mlp.local_expert_indices``).
+    SequentialMLP (the local spec) holds ``mlp.experts.local_experts.{i}.linear_fc1.weight``,
+    Transformer Engine's TEGroupedMLP ``mlp.experts.linear_fc1.weight{i}``, the same [rows, cols]
+    tensor: both become ``mlp.experts.local_experts.{g}.linear_fc1.weight``. Other names pass."""
+    grouped = _GROUPED_EXPERT.match(name)
+    if grouped:
+        return f"{_LOCAL_EXPERTS}{global_experts[int(grouped[2])]}.{grouped[1]}.weight"
+    if name.startswith(_LOCAL_EXPERTS):
+        local, rest = name[len(_LOCAL_EXPERTS):].split(".", 1)
+        return f"{_LOCAL_EXPERTS}{global_experts[int(local)]}.{rest}"
+    return name
 
 
 def rule_index(model) -> dict[str, tuple[Rule, int | None, int | None]]:

@@ -335,8 +335,8 @@ def layer_activation_bytes(arch: ArchSpec, tp: int, micro_batch_size: int, seq_l
     te (Transformer Engine, flash attention; fused norms keep input + normalised output):
         norms 2 (2eh + 4) + q, k, v (a+2g)de + output ade + softmax statistics 4a + SwiGLU 3fe
         + QK-norm (a+g)de + 4(a+g) (Qwen3).
-    mixture of experts, in place of the SwiGLU term (either spec: megatron's MoE layer, the token
-    dispatcher and SequentialMLP are the same modules), with E experts, top-k, F the expert width
+    mixture of experts, in place of the SwiGLU term (either spec, as the local spec's SequentialMLP
+    keeps them; TE's grouped GEMM is counted alike, unverified), with E experts, top-k, F the expert width
     per expert-TP rank (``etp``, None: TP) and H the full hidden width: whatever EP, an even load
     puts k ETP/TP rows per token of the sequence on this rank's E/EP experts (the dispatcher
     gathers ETP x EP x the rank's tokens, s/TP under sequence parallelism; 1/EP of their k rows

@@ -97,7 +97,13 @@ class Policy:
         self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
                                                 config_overrides=overrides)
         runs_te = _runs_transformer_engine(self.model)
-        self.pack_sequences = runs_te and self.group_by_length if pack_sequences is None else pack_sequences
+        # mixture of experts: padded micro-batches, the layout router statistics and routing replay
+        # read positions in (and what the CPU tier verifies them on)
+        moe = self.model.arch.is_moe
+        self.pack_sequences = runs_te and self.group_by_length and not moe if pack_sequences is None else pack_sequences
+        if pack_sequences and moe:
+            raise ConfigError("grpo.pack_sequences=true with a mixture-of-experts model: its micro-batches run padded "
+                              "(router statistics and routing replay read padded positions); leave it unset")
         if pack_sequences and not runs_te:
             raise ConfigError("grpo.pack_sequences needs the Transformer Engine layer spec (THD attention); this "
                               "model was built with megatron's local spec (no TE or no GPU here, or "
