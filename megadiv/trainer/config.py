@@ -64,8 +64,8 @@ class GRPOConfig:
     attention with packed_seq_params; the same losses and gradients as padded rows). None: packed
     wherever the model runs TE attention (model.transformer_impl auto on a GPU with TE, or
     transformer_engine) and the micro-batches are grouped by length (not under
-    parallel.virtual_pipeline); padded elsewhere (megatron's local spec, the CPU). true: packed,
-    refused where it cannot be; false: padded."""
+    parallel.virtual_pipeline); padded elsewhere (megatron's local spec, the CPU, mixture-of-experts
+    models). true: packed, refused where it cannot be; false: padded."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
