@@ -86,12 +86,14 @@ def tmpfs(tmp_path):
 
 
 def fill(disk: Path, leave_bytes: int) -> None:
-    """Write a file until the file system is full, then free ``leave_bytes`` of it."""
-    with open(disk / "filler", "wb") as f:
+    """Write a file until the file system is full, then free ``leave_bytes`` of it. Unbuffered: a
+    buffered writer keeps what the full disk refused and flushes it again at truncate and close,
+    which fail with ENOSPC in turn (seen once in CI, depending on how many bytes were left)."""
+    chunk = b"\0" * (1 << 20)
+    with open(disk / "filler", "wb", buffering=0) as f:
         try:
             while True:
-                f.write(b"\0" * (1 << 20))
-                f.flush()
+                f.write(chunk)  # a raw write: part of the chunk where that is what fits
         except OSError as e:
             assert e.errno == errno.ENOSPC
         f.truncate(max(0, f.tell() - leave_bytes))
