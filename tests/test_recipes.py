@@ -1,5 +1,10 @@
 """Every published recipe composition parses and validates (keys, types, combinations)."""
 import itertools
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +128,44 @@ def test_enable_thinking_is_checked_against_the_checkpoints_template(tmp_path):
     cfg = load_config(TrainConfig, [EXAMPLES / "gsm8k" / "task.yaml", QWEN3[0], ATR_ALGORITHMS["grpo"]],
                       [f"model.hf_dir={qwen3}", "data.enable_thinking=true"])
     assert cfg.data.enable_thinking is True
+
+
+# check-config in a trainer Python that cannot import sglang (the container keeps it in /opt/sglang):
+# every recipe in one process, each at the world size its header's torchrun line names (8: one node).
+_CHECK_WITHOUT_SGLANG = """
+import json, sys
+sys.modules["sglang"] = None                  # any sglang import raises ImportError
+from megadiv.cli import main
+for args in json.loads(sys.argv[1]):
+    print("RC", main(["check-config", *args]), file=sys.stderr, flush=True)
+"""
+
+
+def recipe_world_size(model_file: Path) -> int:
+    """Nodes x GPUs of the recipe's ``torchrun --nnodes N --nproc_per_node G`` line (one node of 8 without one)."""
+    found = re.search(r"--nnodes (\d+) --nproc_per_node (\d+)", model_file.read_text())
+    return int(found.group(1)) * int(found.group(2)) if found else 8
+
+
+def test_every_recipe_passes_check_config_without_sglang_in_the_trainer(tmp_path):
+    """A colocated recipe used to resolve sync_method auto to 'tensor' and crash at its first push
+    in the container (sglang only in the servers' Python): check-config now passes each recipe
+    there and prints the sync method, which needs no sglang on the trainer's side."""
+    server_python = tmp_path / "sglang-python"        # the servers' own environment, which has sglang
+    server_python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    server_python.chmod(0o755)
+    launched = {m: "server_urls" not in m.read_text() for m in MODELS}
+    runs = [[str(EXAMPLES / "gsm8k" / "task.yaml"), str(m), str(EXAMPLES / "gsm8k" / "algorithms" / "grpo.yaml"),
+             f"run.output_dir={tmp_path}", "--world-size", str(recipe_world_size(m))]
+            + ([f"rollout.server_python={server_python}"] if launched[m] else []) for m in MODELS]
+    proc = subprocess.run([sys.executable, "-c", _CHECK_WITHOUT_SGLANG, json.dumps(runs)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = proc.stderr.split("RC ")[:-1]
+    codes = [int(line.split()[0]) for line in proc.stderr.split("RC ")[1:]]
+    assert codes == [0] * len(MODELS), proc.stderr[-3000:]
+    for model, report in zip(MODELS, reports):
+        expected = ("rollout.sync_method: auto -> tensor for servers launched on GPUs the trainer's ranks hold"
+                    if launched[model] else "rollout.sync_method: distributed")
+        assert expected in report, (model.name, report)
+    assert sum("auto -> tensor" in r for r in reports) == 6        # all but the 235B one launch their servers

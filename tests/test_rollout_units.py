@@ -209,9 +209,11 @@ def test_server_python_runs_launched_servers_and_is_checked(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="cannot import sglang"):
         preflight._check_rollout(train_cfg(engine="sglang", server_python=bare))
     preflight._check_rollout(train_cfg(engine="sglang", server_python=sys.executable, sync_method="tensor"))
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)     # a trainer without sglang
-    with pytest.raises(ConfigError, match="rollout.sync_method 'tensor' needs sglang in the trainer's Python"):
-        preflight._check_rollout(train_cfg(engine="sglang", server_urls=("http://a:1",), sync_method="tensor"))
+    # CUDA-IPC handles open only on the trainer's machine: an explicit 'tensor' to a remote server is refused
+    with pytest.raises(ConfigError, match=r"^rollout.sync_method passes CUDA-IPC handles, which only a server on the "
+                                          r"trainer's machine can open \(rollout.server_urls has \['http://a:1'\]\)"):
+        RolloutConfig(engine="sglang", server_urls=("http://a:1", "http://127.0.0.1:2"), sync_method="tensor")
+    RolloutConfig(engine="sglang", server_urls=("http://localhost:1", "http://127.0.0.1:2"), sync_method="tensor")
 
 
 def test_distributed_sync_refuses_two_nccl_versions(tmp_path, monkeypatch):
@@ -242,16 +244,55 @@ def test_distributed_sync_refuses_two_nccl_versions(tmp_path, monkeypatch):
     check(sync_method="distributed")
 
 
-def test_tensor_sync_without_sglang_fails_in_one_line(monkeypatch):
-    """'auto' picks 'tensor' for a server on the trainer's GPUs: without sglang in the trainer's
-    Python its ImportError used to escape update_weights; now one WeightSyncError says what to set."""
+# SGLang's side of a 'tensor' sync: patch its reductions as its scheduler does, fake the device
+# query (GPU-server-uuid is device 5 here), unpickle with its safe unpickler, and print what torch's
+# CUDA rebuild would have been called with.
+_SGLANG_UNPICKLES = """
+import sys, torch
+from torch.multiprocessing import reductions
+from sglang.srt.utils.common import MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+torch.cuda.device_count = lambda: 8
+torch.cuda.get_device_properties = lambda i: type("P", (), {"uuid": "GPU-server-uuid" if i == 5 else f"GPU-{i}"})
+monkey_patch_torch_reductions()
+calls = []
+reductions._rebuild_cuda_tensor_original = lambda *args: calls.append(args) or args[0]
+named = MultiprocessingSerializer.deserialize(sys.stdin.read())
+(name, cls), = named
+args = calls[0]
+print(name, cls.__name__, list(args[1]), args[4].__name__, str(args[5]), args[6], args[7].decode())
+"""
+
+
+def test_tensor_sync_pickles_handles_without_sglang_that_sglang_rebuilds_on_the_right_gpu(monkeypatch):
+    """'auto' picks 'tensor' for a server on the trainer's GPUs, and the container's trainer Python
+    has no sglang: the CUDA-IPC payload is made with torch alone (sglang's import fails here), names
+    the GPU by UUID, and SGLang 0.5.23's own deserializer (its safe unpickler and patched rebuild,
+    in a second Python) accepts it and maps the UUID to its own device index. The CUDA parts (the
+    handle, the device query) are faked; what runs on a GPU is named in docs/performance.md."""
+    from torch.multiprocessing import reductions
+
     from megadiv.rollout import weight_sync
 
-    monkeypatch.setitem(sys.modules, "sglang.srt.utils.patch_torch", None)     # import raises ImportError
-    fake_cuda = torch.zeros(1)
+    monkeypatch.setitem(sys.modules, "sglang", None)            # any sglang import raises ImportError
+    tensor = torch.zeros(2, 3)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    with pytest.raises(WeightSyncError, match="^sync_method 'tensor' needs sglang in the trainer's Python"):
-        weight_sync.serialize_bucket([("w", fake_cuda)])
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"uuid": "GPU-server-uuid" if i == 1 else f"GPU-{i}"}))
+
+    def reduce_cuda(t):   # torch's tuple for a tensor on the trainer's device 1
+        return reductions.rebuild_cuda_tensor, (type(t), t.size(), t.stride(), 0, torch.UntypedStorage, t.dtype, 1,
+                                                b"ipc-handle", 24, 0, False, b"ref", 0, b"event", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", reduce_cuda)
+    payload = weight_sync.serialize_bucket([("model.embed_tokens.weight", tensor)])
+    out = subprocess.run([sys.executable, "-c", _SGLANG_UNPICKLES], input=payload, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["model.embed_tokens.weight", "Tensor", "[2,", "3]", "UntypedStorage",
+                                  "torch.float32", "5", "ipc-handle"]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: False))
+    with pytest.raises(WeightSyncError, match="^sync_method 'tensor' needs CUDA tensors"):
+        weight_sync.serialize_bucket([("w", tensor)])
 
 
 def tiny_config(root, **fields):

@@ -13,7 +13,7 @@ import sys
 
 import yaml
 
-from megadiv.cli.preflight import preflight
+from megadiv.cli.preflight import preflight, sync_method_note
 from megadiv.cli.stand_in import add_hf_config_argument, hf_config_stand_in
 from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError, to_dict
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_train_config(args, args.world_size)
             check_fp8_here(cfg.model.fp8)  # with the TE and GPU this machine has, if any
             notes = ([stand_in] if stand_in else []) + preflight(cfg, check_weights=stand_in is None)
+            notes += [note for note in [sync_method_note(cfg)] if note]
     except (ConfigError, OSError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2

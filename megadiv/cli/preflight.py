@@ -41,9 +41,8 @@ def preflight(cfg: TrainConfig, check_weights: bool = True, checksums: bool = Tr
 
 def _check_rollout(cfg: TrainConfig) -> None:
     """The Python of servers megadiv launches finds sglang (engine 'sglang', or a server_python
-    given); 'tensor' sync pickles CUDA-IPC handles with sglang's own reductions, so the trainer's
-    Python must find it too."""
-    import importlib.util
+    given), and both ends of an NCCL weight broadcast load one NCCL. The trainer's own Python
+    needs no sglang for any sync method."""
     import sys
 
     import torch
@@ -64,10 +63,21 @@ def _check_rollout(cfg: TrainConfig) -> None:
             raise ConfigError(f"rollout.sync_method {r.sync_method!r} broadcasts over NCCL between the trainer (NCCL "
                               f"{ours}) and servers run by {python} (NCCL {theirs}), which NCCL refuses: use "
                               f"sync_method 'disk', or one NCCL for both (docker/Dockerfile preloads the image's)")
-    if r.sync_method == "tensor" and importlib.util.find_spec("sglang") is None:
-        raise ConfigError("rollout.sync_method 'tensor' needs sglang in the trainer's Python (its CUDA-IPC tensor "
-                          "reductions), which has none (the container keeps it in /opt/sglang): use 'distributed' or "
-                          "'disk'")
+
+
+def sync_method_note(cfg: TrainConfig) -> str | None:
+    """How the weights will reach the servers, for check-config to print (None: no server)."""
+    from megadiv.rollout import resolve_engine_name
+
+    r = cfg.rollout
+    if resolve_engine_name(r) != "sglang":
+        return None
+    if r.sync_method != "auto":
+        return f"rollout.sync_method: {r.sync_method}"
+    if r.server_urls:
+        return "rollout.sync_method: auto -> distributed (attached servers: a broadcast group)"
+    return ("rollout.sync_method: auto -> tensor for servers launched on GPUs the trainer's ranks hold (CUDA-IPC "
+            "handles, as when the ranks fill the node), distributed on GPUs of their own or on a CPU")
 
 
 def _check_data(data: DataConfig, section: str, model: ModelConfig) -> None:

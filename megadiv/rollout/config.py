@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlparse
 
 from megadiv.config import ConfigError
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""Hosts whose servers run on the trainer's machine."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ class RolloutConfig:
     """distributed: broadcast over a process group trainer -> servers (gloo on CPU, NCCL on GPU;
     servers on GPUs of their own); tensor: CUDA-IPC handles (servers on the trainer's machine);
     disk: safetensors in ``sync_dir`` (servers must see that directory); auto: tensor for a
-    server launched on the trainer's GPUs (colocated), distributed otherwise."""
+    server launched on the trainer's GPUs (colocated), distributed otherwise. None of them needs
+    sglang in the trainer's Python."""
     bucket_bytes: int = 512 << 20
     """Bytes per weight bucket (one broadcast / one request); bigger is faster, smaller uses less memory."""
     sync_timeout_s: float = 600.0
@@ -147,6 +152,10 @@ class RolloutConfig:
                                   "rollout.server_urls set)")
         if len(set(self.server_urls)) != len(self.server_urls):
             fail("server_urls", "must not repeat a server")
+        remote = [u for u in self.server_urls if urlparse(u).hostname not in LOOPBACK_HOSTS]
+        if self.sync_method == "tensor" and remote:
+            fail("sync_method", f"passes CUDA-IPC handles, which only a server on the trainer's machine can open "
+                                f"(rollout.server_urls has {remote}): use 'distributed' or 'disk'")
 
     def probe_threshold(self, fp8: bool) -> float:
         """The post-sync probe's limit for a trainer with or without FP8."""

@@ -32,7 +32,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Sequence
-from urllib.parse import urlparse
 
 import requests
 import torch
@@ -71,9 +70,9 @@ class SGLangEngine:
         sglang_server.place_server)."""
         self.gpu = self._placement(cfg, trainer_memory, server_index)
         self.sync_method = resolve_sync_method(cfg, self.gpu)
-        if self.sync_method == "tensor" and not (torch.cuda.is_available() and all(map(_is_local, cfg.server_urls))):
-            raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA and servers on "
-                             f"this machine (servers: {list(cfg.server_urls)}); use 'distributed' or 'disk'")
+        if self.sync_method == "tensor" and not torch.cuda.is_available():
+            raise ValueError("rollout.sync_method 'tensor' passes CUDA-IPC handles: it needs CUDA; use 'distributed' "
+                             "or 'disk'")
         self.cfg = cfg
         self.server: SGLangServer | None = None
         self._group: BroadcastGroup | None = None
@@ -351,7 +350,3 @@ def _finish_reason(info: dict | None) -> str:
 
 def _safe(version: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in version)[:64]
-
-
-def _is_local(url: str) -> bool:
-    return urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")

@@ -10,7 +10,7 @@ SGLangEngine.update_weights.
   NCCL on GPU), whose broadcasts never hang: each one runs alongside the servers' HTTP requests and
   fails as soon as a server refuses, or after the timeout, by aborting the communicator and raising
   WeightSyncError (never left to the NCCL watchdog, which would kill the trainer).
-- :func:`serialize_bucket` (CUDA-IPC handles) and :func:`write_bucket` (safetensors).
+- :func:`serialize_bucket` (CUDA-IPC handles, pickled without sglang) and :func:`write_bucket` (safetensors).
 """
 from __future__ import annotations
 
@@ -180,25 +180,46 @@ def flatten_bucket(bucket: Bucket) -> tuple[torch.Tensor, dict]:
 
 
 def serialize_bucket(bucket: Bucket) -> str:
-    """base64 of the bucket pickled with torch's multiprocessing reductions: CUDA tensors travel as
-    IPC handles that only a process on the same machine can open; the format SGLang's
-    update_weights_from_tensor unpickles.
+    """base64 of the bucket pickled as SGLang's ``update_weights_from_tensor`` unpickles it: each CUDA
+    tensor travels as an IPC handle (no copy) that only a process on the same machine can open.
+
+    Needs no sglang here. torch's own reduction (``reduce_tensor``) names the GPU by its index,
+    which means another GPU in a server with other CUDA_VISIBLE_DEVICES; the device argument is
+    replaced by the GPU's UUID, which the server's rebuild accepts: SGLang patches
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` (the global this pickle names, one
+    its safe unpickler allows) before unpickling, and the patched rebuild maps a UUID string back
+    to its own device index (sglang/srt/utils/patch_torch.py, 0.5.23).
 
     CUDA only: CPU tensors would travel as file descriptors fetched over an authenticated
     multiprocessing connection that an unrelated server process cannot open."""
     if not all(t.is_cuda for _, t in bucket):
         raise WeightSyncError("sync_method 'tensor' needs CUDA tensors; use 'distributed' or 'disk' on CPU")
-    # SGLang's reduction names the GPU by UUID, so a server with other CUDA_VISIBLE_DEVICES maps the
-    # handle to the right device
-    try:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError:   # 'auto' picked 'tensor' (colocated server) in a trainer without sglang
-        raise WeightSyncError("sync_method 'tensor' needs sglang in the trainer's Python (its CUDA-IPC tensor "
-                              "reductions), which has none: set rollout.sync_method to 'distributed' or 'disk'") from None
-    monkey_patch_torch_reductions()
     buf = io.BytesIO()
-    ForkingPickler(buf).dump([(n, t.detach().contiguous()) for n, t in bucket])
+    _HandlePickler(buf).dump([(n, t.detach().contiguous()) for n, t in bucket])
     return base64.b64encode(buf.getvalue()).decode()
+
+
+# The position of the device in torch.multiprocessing.reductions.reduce_tensor's arguments for a
+# CUDA tensor (tensor class, size, stride, offset, storage class, dtype, device, handle, ...):
+# unchanged since torch 1.x, and the index SGLang's patch rewrites too.
+_DEVICE_ARG = 6
+
+
+class _HandlePickler(ForkingPickler):
+    """ForkingPickler whose CUDA tensors name their GPU by UUID (see :func:`serialize_bucket`)."""
+
+    def reducer_override(self, obj):
+        if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+            return NotImplemented
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(obj)
+        return rebuild, (*args[:_DEVICE_ARG], device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as SGLang compares it (``str(properties.uuid)``)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def write_bucket(bucket: Bucket, directory: Path, index: int) -> None:
