@@ -8,8 +8,11 @@ The module launches its two servers once (``rollout.num_servers: 2``, concurrent
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -25,7 +28,7 @@ from megadiv.rollout import (
     make_engine,
 )
 from megadiv.rollout.fleet import FleetEngine
-from megadiv.rollout.sglang_server import live_group_members
+from megadiv.rollout.sglang_server import SGLangServer, child_env, free_port, launch_command, live_group_members
 from megadiv.rollout.weight_sync import post
 from tests.test_rollout import TOL, base, buckets_of, hf_dir, perturbed, reference  # noqa: F401 (fixtures)
 
@@ -158,3 +161,31 @@ def test_a_server_killed_during_a_push_is_dropped_and_the_fleet_goes_on(fleet, b
     os.killpg(fleet.members[url_a].server.proc.pid, signal.SIGKILL)
     with pytest.raises(RolloutError, match=f"no SGLang server left.*{url_a}"):
         fleet.generate([[5, 6, 7]], SamplingParams(n=2, max_new_tokens=8))
+
+
+def test_an_attached_server_still_starting_is_waited_for(hf_dir, tmp_path, caplog):
+    """docs/install.md's one-node example starts a server in the background and the trainer at
+    once: the fleet waits for the server still loading (rollout.startup_timeout_s, one line) instead
+    of failing at its first request, then generates on it."""
+    cfg = RolloutConfig(engine="sglang", startup_timeout_s=400, request_timeout_s=120, sync_timeout_s=SYNC_TIMEOUT_S)
+    port = free_port()
+    log_path = tmp_path / "sglang.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(launch_command(hf_dir, port, cfg, None), env=child_env(cuda=False), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    server = SGLangServer(proc, f"http://127.0.0.1:{port}", log_path, cfg.shutdown_grace_s)  # stops its group
+    try:
+        with caplog.at_level(logging.WARNING, logger="megadiv.rollout.fleet"):
+            engine = make_engine(dataclasses.replace(cfg, server_urls=(server.url,)), hf_dir)
+        try:
+            assert engine.urls == [server.url] and not engine.dropped
+            waits = [r.getMessage() for r in caplog.records if r.name == "megadiv.rollout.fleet"]
+            assert waits == [f"waiting up to 400 s (rollout.startup_timeout_s) for attached SGLang servers to "
+                             f"answer: ['{server.url}']"], waits
+            (group,) = engine.generate([[5, 17, 33]], SamplingParams(n=2, temperature=0.8, max_new_tokens=4))
+            assert len(group) == 2 and all(len(c.token_ids) > 0 for c in group)
+        finally:
+            engine.shutdown()
+    finally:
+        server.stop()
+    assert not live_group_members(proc.pid)

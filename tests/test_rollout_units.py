@@ -198,6 +198,9 @@ def test_server_python_runs_launched_servers_and_is_checked(tmp_path, monkeypatc
     for nothing_launched in ({"engine": "embedded"}, {"server_urls": ("http://a:1",)}):
         with pytest.raises(ConfigError, match="rollout.server_python runs launched servers; this config launches none"):
             RolloutConfig(server_python=bare, **nothing_launched)
+    # the engines on servers a config launched (the fleet's members and sync, the driver's view) attach to them
+    attached = RolloutConfig(engine="sglang", num_servers=2, server_python=bare).attached(["http://a:1", "http://b:2"])
+    assert (attached.server_urls, attached.num_servers, attached.server_python) == (("http://a:1", "http://b:2"), 1, None)
     # auto: CUDA and a server Python with sglang (here: the stand-in container Python has none)
     monkeypatch.setattr(factory.torch.cuda, "is_available", lambda: True)
     assert resolve_engine_name(RolloutConfig()) == "embedded"

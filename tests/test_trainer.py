@@ -145,6 +145,22 @@ def test_mbpp_code_reward_step_runs(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.sglang
+def test_ranks_wait_for_a_server_slower_to_start_than_the_collective_timeout(tmp_path):
+    """Rank 0 starts the server and the driver while the other rank waits on a key of the launch's
+    store: a server whose start takes twice parallel.timeout_s (its Python sleeps 30 s first) no
+    longer ends that rank in a collective's timeout (on GPUs, the NCCL watchdog)."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(f'#!/bin/sh\ncase "$*" in *sglang.launch_server*) sleep 30;; esac\nexec {sys.executable} "$@"\n')
+    slow.chmod(0o755)
+    run_dir = tmp_path / "slow"
+    megadiv_train(run_dir, "grpo.steps=1", "rollout.engine=sglang", "rollout.sync_method=distributed",
+                  f"rollout.server_python={slow}", "parallel.timeout_s=15", "eval.every=0", "checkpoint.every=0")
+    (step,) = step_records(run_dir)
+    assert step["rollout/servers"] == 1 and step["sync/probe_abs_diff_mean"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
 def test_one_step_with_a_fleet_of_two_sglang_servers_at_tp2_dp2(tmp_path):
     """The whole path with a fleet: two launched servers, the driver's process streaming groups to
     both (one group in flight each), 4 ranks (TP=2 x DP=2) receiving their replica's rows; the

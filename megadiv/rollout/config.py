@@ -4,6 +4,7 @@ Light on purpose (no torch import): megadiv.config loads it with the rest of the
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlparse
@@ -156,6 +157,11 @@ class RolloutConfig:
         if self.sync_method == "tensor" and remote:
             fail("sync_method", f"passes CUDA-IPC handles, which only a server on the trainer's machine can open "
                                 f"(rollout.server_urls has {remote}): use 'distributed' or 'disk'")
+
+    def attached(self, urls, **changes) -> "RolloutConfig":
+        """This config for engines on running servers at ``urls`` (the fleet's members, the driver's
+        view of rank 0's fleet): it launches nothing, so it has no server_python."""
+        return dataclasses.replace(self, server_urls=tuple(urls), num_servers=1, server_python=None, **changes)
 
     def probe_threshold(self, fp8: bool) -> float:
         """The post-sync probe's limit for a trainer with or without FP8."""

@@ -79,7 +79,8 @@ class FleetEngine:
         """``trainer_memory``: as for one SGLangEngine; launched server i gets its own GPUs
         (``--base-gpu-id``, sglang_server.place_server with index i)."""
         if cfg.server_urls:
-            configs = [dataclasses.replace(cfg, server_urls=(url,)) for url in cfg.server_urls]
+            wait_for_attached(cfg.server_urls, cfg.startup_timeout_s)
+            configs = [cfg.attached([url]) for url in cfg.server_urls]
         else:  # launch cfg.num_servers, concurrently (CPU start-up takes 20-80 s each)
             configs = [dataclasses.replace(cfg, num_servers=1) for _ in range(cfg.num_servers)]
         self.cfg, self.hf_dir = cfg, hf_dir
@@ -181,7 +182,7 @@ class FleetEngine:
 
     def _attach(self, url: str) -> SGLangEngine:
         """A member engine for the running server at ``url``."""
-        return SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=(url,)))
+        return SGLangEngine(self.hf_dir, self.cfg.attached([url]))
 
     def drop(self, url: str, why: str) -> None:
         """Take ``url`` out of the fleet (a launched server is stopped): it failed its heartbeat or
@@ -255,8 +256,7 @@ class FleetEngine:
         if self._sync is None or tuple(self._sync.urls) != urls:
             if self._sync is not None:
                 self._sync.shutdown()  # leaves its group on the servers that still answer
-            self._sync = SGLangEngine(self.hf_dir, dataclasses.replace(self.cfg, server_urls=urls, num_servers=1,
-                                                                       sync_method="distributed"))
+            self._sync = SGLangEngine(self.hf_dir, self.cfg.attached(urls, sync_method="distributed"))
         return self._sync
 
     def _sync_each(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
@@ -312,6 +312,24 @@ class FleetEngine:
         for m in self.members.values():
             m.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wait_for_attached(urls: Sequence[str], timeout_s: float) -> None:
+    """Servers at rollout.server_urls may still be starting (docs/install.md starts one in the
+    background and the trainer at once; a server loads its model before it answers): wait until
+    each answers /health, up to ``timeout_s`` (rollout.startup_timeout_s), with one line naming
+    those it waits for. One that never answers is left out by the caller, as a dead one is."""
+    waiting = [u for u in urls if not answers(u)]
+    if not waiting:
+        return
+    log.warning("waiting up to %.0f s (rollout.startup_timeout_s) for attached SGLang servers to answer: %s",
+                timeout_s, waiting)
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        time.sleep(1.0)
+        waiting = [u for u in waiting if not answers(u)]
+    if waiting:
+        log.warning("attached SGLang servers %s did not answer within %.0f s", waiting, timeout_s)
 
 
 class _Feed:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import time
 from typing import Iterable
@@ -38,6 +39,9 @@ from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.driver import DriverProcess, RolloutDriver, version_name
 from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes, replica_group
 
+STARTED = "megadiv/rollout/started"
+"""The launch store's key under which rank 0 publishes the driver's address (or its failure)."""
+
 
 class Rollout:
     """This rank's side of the rollout (see the module docstring)."""
@@ -50,26 +54,38 @@ class Rollout:
         group = generation_group(cfg, info.world_size)                     # collective
         timeout_s = cfg.rollout.handoff_timeout_s
         self.driver = self.engine = None
-        address = [None]
+        # Rank 0 starts the servers (up to rollout.startup_timeout_s each) and the driver while the
+        # others wait for the driver's address on a key of the launch's store, not in a collective
+        # that parallel.timeout_s (the NCCL watchdog) would end first; a failure wakes them with it.
+        started = Handoff(dist.distributed_c10d._get_default_store(), timeout_s)
         if info.rank == 0:
-            if resolve_engine_name(cfg.rollout) == "sglang":
-                # rank 0 keeps the fleet for weight pushes and the probe; the driver attaches to it
-                self.engine = make_engine(cfg.rollout, start_dir, memory)
-                attached = dataclasses.replace(cfg.rollout, server_urls=tuple(self.engine.urls), num_servers=1)
-                self.driver = DriverProcess(dataclasses.replace(cfg, rollout=attached), start_dir, info.dp_size)
-                port = self.driver.port
-            else:
-                handoff, port = Handoff.host(timeout_s)
-                self.driver = RolloutDriver(cfg, start_dir, tokenizer, handoff, info.dp_size, memory, group)
-                self.engine = self.driver.engine
-            address = [(address_seen_by(os.environ.get("MASTER_ADDR", "127.0.0.1")), port)]
+            try:
+                port = self._start_driver(cfg, start_dir, tokenizer, info, memory, group)
+            except BaseException as e:
+                started.fail(STARTED, e)
+                raise
+            started.publish(STARTED, json.dumps([address_seen_by(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+                                                 port]).encode())
         elif group is not None:  # a rank that generates its slices of the driver's calls
             self.engine = make_engine(cfg.rollout, start_dir, group=group)
         self._worker = group if info.rank != 0 else None
-        dist.broadcast_object_list(address, src=0)
-        self.handoff = Handoff.connect(*address[0], timeout_s)
+        host, port = json.loads(started.wait(STARTED))
+        self.handoff = Handoff.connect(host, port, timeout_s)
         self.replica, self.replica_source = replica_group(info, cfg.parallel.timeout_s)  # collective
         self._started, self._evaluations = 0, 0
+
+    def _start_driver(self, cfg: TrainConfig, start_dir: str, tokenizer, info, memory, group) -> int:
+        """Rank 0: the engines and the driver; the port of the driver's hand-off store."""
+        if resolve_engine_name(cfg.rollout) == "sglang":
+            # rank 0 keeps the fleet for weight pushes and the probe; the driver attaches to it
+            self.engine = make_engine(cfg.rollout, start_dir, memory)
+            attached = cfg.rollout.attached(self.engine.urls)
+            self.driver = DriverProcess(dataclasses.replace(cfg, rollout=attached), start_dir, info.dp_size)
+            return self.driver.port
+        handoff, port = Handoff.host(cfg.rollout.handoff_timeout_s)
+        self.driver = RolloutDriver(cfg, start_dir, tokenizer, handoff, info.dp_size, memory, group)
+        self.engine = self.driver.engine
+        return port
 
     def collect(self, step: int) -> tuple[ReplicaRows, dict]:
         """This replica's rows of batch ``step`` and the batch's metrics (the driver's, on every
