@@ -74,3 +74,25 @@ def test_check_config_runs_the_fp8_check_here(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "fp8: mxfp8" in out.stdout
+
+
+@pytest.mark.parametrize("fp8, budget, tp_only", [("delayed", 4608, True), ("delayed", None, False),
+                                                   ("tensorwise", 4608, False), ("none", 4608, False)])
+def test_delayed_scaling_with_token_budgets_reduces_amax_over_tp_only(monkeypatch, fp8, budget, tp_only):
+    """Delayed scaling all-reduces amax over TP x DP at every micro-batch; token budgets give the DP
+    replicas different micro-batch counts, which would hang there: the policy asks megatron for its
+    TP-only amax group (tp_only_amax_red) exactly then. The model config megatron is given, read
+    where the policy builds the model (no GPU here to build an FP8 one)."""
+    from megadiv.policy import megatron
+
+    built = {}
+
+    def build_model(cfg, role, parallel, config_overrides):
+        built.update(config_overrides)
+        raise StopIteration   # stop before anything needs a GPU
+
+    monkeypatch.setattr(megatron, "build_model", build_model)
+    with pytest.raises(StopIteration):
+        megatron.Policy(ModelConfig(hf_dir="unused", fp8=fp8, transformer_impl="auto"), ParallelConfig(),
+                                max_tokens_per_micro_batch=budget)
+    assert built.get("tp_only_amax_red", False) is tp_only

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megadiv.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from megadiv.divergence import vocab_parallel
 from megadiv.divergence.registry import VocabDivergence
-from megadiv.models.builder import MegatronModel, build_model
+from megadiv.models.builder import MegatronModel, build_model, runs_in_half_precision
 from megadiv.models.output import logits_at
 from megadiv.parallel import cpu_compat
 from megadiv.policy.batches import ModelInput, SequenceBatch, round_up, row_lengths
@@ -94,6 +94,12 @@ class Policy:
             overrides |= {"variable_seq_lengths": True}
         if routing_replay:
             overrides |= {"moe_enable_routing_replay": True}
+        if model_cfg.fp8 == "delayed" and max_tokens_per_micro_batch is not None:
+            # Delayed scaling all-reduces each layer's amax history at every micro-batch over
+            # megatron's amax group, TP x DP; token budgets give the DP replicas different micro-batch
+            # counts, so they would meet in different reductions and hang. Over TP only, each replica
+            # keeps scales of its own (its weights are the same; only activation scales differ).
+            overrides |= {"tp_only_amax_red": True}
         self.model: MegatronModel = build_model(model_cfg, role=role, parallel=parallel_cfg,
                                                 config_overrides=overrides)
         runs_te = _runs_transformer_engine(self.model)
@@ -270,9 +276,11 @@ class Policy:
     @staticmethod
     def _forward(model: torch.nn.Module, x: ModelInput) -> torch.Tensor:
         """``model`` (one chunk) on ``x``: hidden states for the next pipeline stage, or on the
-        last stage the logit shard [1, n, V/TP] at x's n positions that predict response tokens."""
+        last stage the logit shard [1, n, V/TP] at x's n positions that predict response tokens,
+        in the model's precision (Float16Module's float32 upcast off: see :func:`tempered`)."""
+        half = {"fp32_output": False} if runs_in_half_precision(model) else {}
         with logits_at(model, x.index), cpu_compat.paused():
-            return model(x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params)
+            return model(x.tokens, x.positions, attention_mask=None, packed_seq_params=x.packed_seq_params, **half)
 
     def _token_log_probs(self, logits: torch.Tensor, x: ModelInput, with_entropy: bool,
                          inplace_backward: bool = False):
@@ -432,11 +440,14 @@ def _runs_transformer_engine(model: MegatronModel) -> bool:
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / T in float32 (float64 logits stay float64): log-probs of the distribution the rollout
-    engine sampled from (megadiv.rollout's convention), so that ratios to rollout log-probs are
-    meaningful."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits if temperature in (0.0, 1.0) else logits / temperature
+    """logits / T: log-probs of the distribution the rollout engine sampled from (megadiv.rollout's
+    convention), so that ratios to rollout log-probs are meaningful. At T = 1 (and 0, greedy, scored
+    at 1) the shard stays as it is, bf16 included: the vocab-parallel kernels upcast it chunk by
+    chunk, so no float32 copy of the [n, V/TP] shard (nor of its gradient) is made; otherwise it is
+    divided in at least float32 (float64 logits stay float64)."""
+    if temperature in (0.0, 1.0):
+        return logits
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
 
 
 def weighted_metrics(metrics: dict[str, torch.Tensor], denominator: torch.Tensor,
