@@ -6,6 +6,7 @@ Observed on the CPU tier (float32): logits within 5.4e-7 of transformers (max ab
 tensor's largest entry (tolerance 8), and the EP=2 checkpoint reloading at EP=1 bitwise.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,22 @@ def test_planned_parameter_count_equals_megatrons_and_transformers(models, one, 
     assert [r["param_numel"]["experts"] for r in two] == [at_ep1["experts"] // 2] * 2
     one_expert = 3 * arch.hidden_size * arch.moe_ffn_hidden_size
     assert total - parameter_count(arch, active=True) == arch.num_layers * (8 - 2) * one_expert
+
+
+def test_the_router_computes_in_float64_on_gpus(monkeypatch):
+    """On a GPU megatron computes the router's GEMM with Transformer Engine's, which takes float32 in
+    TF32: the model config asks for float64 there (megatron then uses torch's matmul), and keeps the
+    model's dtype on a CPU (no TF32). The device query is faked; the config is megatron's own."""
+    from megadiv.config import ModelConfig
+    from megadiv.models.builder import transformer_config
+    from megadiv.models.families import FAMILIES, arch_from_hf_config
+
+    public = Path(__file__).resolve().parents[1] / "examples" / "hf_configs" / "Qwen3-30B-A3B" / "config.json"
+    arch = arch_from_hf_config(json.loads(public.read_text()))
+    args = dict(tp=1, pp=1, vpp=None, sequence_parallel=False, stage_layers=[arch.num_layers], initialize=False)
+    assert transformer_config(arch, FAMILIES["qwen3_moe"], ModelConfig(), **args).moe_router_dtype is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert transformer_config(arch, FAMILIES["qwen3_moe"], ModelConfig(), **args).moe_router_dtype == "fp64"
 
 
 def test_experts_are_named_by_their_global_index_in_either_spec():

@@ -59,6 +59,9 @@ def run_torchrun(target: str, nproc: int, timeout_s: float = 300.0, args: dict |
         if cuda:   # the gpu tests: the GPUs this process sees
             env.pop("CUDA_VISIBLE_DEVICES")
             env.update({k: v for k, v in os.environ.items() if k == "CUDA_VISIBLE_DEVICES"})
+            # float32 compared at float32 tolerances: no TF32 in any CUDA library, Transformer
+            # Engine's own GEMMs included (TE takes float32 GEMMs in TF32 whatever torch's flags say)
+            env["NVIDIA_TF32_OVERRIDE"] = "0"
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nproc_per_node={nproc}", "--nnodes=1",

@@ -64,6 +64,15 @@ class MegatronModel:
         return [unwrap(c) for c in self.chunks]
 
 
+def runs_in_half_precision(chunk: torch.nn.Module) -> bool:
+    """Whether ``chunk`` holds its GPTModel inside megatron's Float16Module (bf16/fp16 weights)."""
+    from megatron.core.transformer.module import Float16Module
+
+    while not isinstance(chunk, Float16Module) and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return isinstance(chunk, Float16Module)
+
+
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside a chunk (Float16Module, DDP)."""
     from megatron.core.models.gpt import GPTModel
@@ -204,6 +213,13 @@ def transformer_config(arch: ArchSpec, family: Family, cfg: ModelConfig, *, tp: 
     )
     if arch.is_moe:
         fields.update(moe_fields(arch, ep, cfg.moe_aux_loss_coeff, etp or tp, grouped_experts))
+        if cuda:
+            # The router's GEMM in float64: megatron computes it with Transformer Engine's GEMM
+            # wherever TE imports, and TE takes float32 GEMMs in TF32 (10 mantissa bits) whatever
+            # torch's flags say, enough to flip near-tie top-k choices between two passes or
+            # against the engine. float64 takes torch's matmul (moe_utils.router_gating_linear);
+            # [tokens, hidden] x [hidden, experts] is negligible beside the experts' GEMMs.
+            fields["moe_router_dtype"] = "fp64"
     if cfg.fp8 != "none" and arch.is_moe:
         raise ConfigError(f"model.fp8={cfg.fp8!r} with a mixture-of-experts model is not supported (megatron pads "
                           f"each expert's tokens for FP8 GEMMs; not wired or tested here): use model.fp8=none")
