@@ -313,6 +313,33 @@ def test_half_precision_logits_reduce_in_float32(dtype):
                                rtol=0, atol=1e-6)
 
 
+def test_the_trainer_passes_bf16_logits_to_the_kernel_with_the_same_result():
+    """At temperature 1 the trainer hands the bf16 logit shard to the kernel as it is (the kernel
+    upcasts chunk by chunk) instead of a float32 copy of the whole shard (the upcast Float16Module
+    and tempered() used to make): log-probs and entropies are the same numbers and the output
+    layer's weight gradient the same bits, with no [n, V/TP] float32 copy or gradient made."""
+    from megadiv.policy.megatron import tempered
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 24, 32, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, 500, (1, 24), generator=g)
+
+    def step(upcast: bool):
+        weight = (0.3 * torch.randn(512, 32, generator=torch.Generator().manual_seed(4))).to(torch.bfloat16)
+        weight.requires_grad_()
+        logits = hidden @ weight.t()                                # [1, n, V] bf16: the output layer
+        shard = logits.float() if upcast else tempered(logits, 1.0)
+        assert (shard is logits) == (not upcast)                    # no copy at T = 1
+        lp, ent = vp.log_probs_and_entropy(shard, targets, vocab_size=500, chunk_size=5, inplace_backward=True)
+        (lp * 0.7 + 0.1 * ent).sum().backward()
+        return lp, ent, weight.grad
+
+    before, after = step(upcast=True), step(upcast=False)
+    for old, new in zip(before, after):
+        assert new.dtype == old.dtype and torch.equal(new, old)
+    assert tempered(hidden, 0.7).dtype == torch.float32          # divided in float32 at another T
+
+
 def test_inplace_backward_equals_out_of_place_and_guards_other_users():
     z, zb, t = logits(tokens=9, lead=(2,))
     a, b = z.clone().requires_grad_(), z.clone().requires_grad_()

@@ -241,6 +241,11 @@ class _LogProbEntropy(torch.autograd.Function):
             # computed in a float32 chunk and rounded into place
             direct = grad.dtype == dtype
             ws = Workspace(min(shard.chunk_size, z.shape[0]), shard.valid, dtype, z.device)
+            if g_logp is not None:
+                # + g_logp at the target column of the rows this shard owns: a scatter of zeros
+                # into column 0 of the other rows (no owned.nonzero(), a device-to-host sync)
+                owned, local = picked
+                add = torch.where(owned, g_l.squeeze(1), 0).unsqueeze(1)
             for rs in shard.chunks(z.shape[0]):
                 n = rs.stop - rs.start
                 out = grad[rs, :shard.valid] if direct else ws.take("grad", n)
@@ -250,15 +255,11 @@ class _LogProbEntropy(torch.autograd.Function):
                 else:
                     p = torch.exp(x, out=ws.take("probs", n))
                     x.mul_(slope[rs]).add_(offset[rs]).mul_(p)   # (addcmul is 4x slower on CPU)
+                if g_logp is not None and shard.valid:   # in the compute dtype: a half-precision
+                    x.scatter_add_(1, local[rs].unsqueeze(1), add[rs])   # gradient is rounded once
                 if not direct:
                     grad[rs, :shard.valid] = x
             grad[:, shard.valid:] = 0
-            if g_logp is not None:
-                # + g_logp at the target column of the rows this shard owns: a scatter of zeros
-                # into column 0 of the other rows (no owned.nonzero(), a device-to-host sync)
-                owned, local = picked
-                add = torch.where(owned, g_l.squeeze(1), 0).to(grad.dtype)
-                grad.scatter_add_(1, local.unsqueeze(1), add.unsqueeze(1))
         return grad.view(logits.shape), None, None, None, None
 
 
