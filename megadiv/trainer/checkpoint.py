@@ -17,12 +17,13 @@
 A save (``CheckpointSaver.save``) writes ``step_N.partial`` in parallel and in the background:
 megatron's fully parallel save strategy spreads the shards that data-parallel replicas hold in
 common over the replicas, so every rank writes its own files; the training ranks block only while
-the state is planned and staged on the host (megatron's async save: the writer is a process forked
-from the rank, which writes the staged tensors and then the checksums of the files it wrote,
-``written_<rank>.json``). Once every rank's writer has finished (``poll``, one all-reduce per step),
-rank 0 merges those records, hashes the few small files it wrote itself, writes the manifest last
-and renames the directory. A crash or a signal mid-save leaves only a ``.partial`` directory,
-which is never resumed from. Only ``keep_last`` complete checkpoints are kept. Collective: call on
+the state is planned, staged on the host and hashed (megatron's async save: the writer is a process
+forked from the rank, which writes the staged tensors, checks them against those hashes and then
+writes the checksums of the files it wrote, ``written_<rank>.json``; the saver holds the staged
+tensors until the save is sealed, ``_Staging``). Once every rank's writer has finished (``poll``,
+one all-reduce per step), rank 0 merges those records, hashes the few small files it wrote
+itself, writes the manifest last and renames the directory. A crash or a signal mid-save leaves
+only a ``.partial`` directory, which is never resumed from. Only ``keep_last`` complete checkpoints are kept. Collective: call on
 every rank. The DeepSpeed backend saves synchronously (DeepSpeed's own writer); its files are
 hashed in shares by every rank.
 
