@@ -23,9 +23,9 @@ writes the checksums of the files it wrote, ``written_<rank>.json``; the saver h
 tensors until the save is sealed, ``_Staging``). Once every rank's writer has finished (``poll``,
 one all-reduce per step), rank 0 merges those records, hashes the few small files it wrote
 itself, writes the manifest last and renames the directory. A crash or a signal mid-save leaves
-only a ``.partial`` directory, which is never resumed from. Only ``keep_last`` complete checkpoints are kept. Collective: call on
-every rank. The DeepSpeed backend saves synchronously (DeepSpeed's own writer); its files are
-hashed in shares by every rank.
+only a ``.partial`` directory, which is never resumed from. Only ``keep_last`` complete
+checkpoints are kept. Collective: call on every rank. The DeepSpeed backend saves synchronously
+(DeepSpeed's own writer); its files are hashed in shares by every rank.
 
 Resume (``find_resume_point``) scans ``step_*`` newest first and takes the first one that is
 complete and intact (manifest present, every listed file present with its size, checked by rank
