@@ -11,6 +11,12 @@ sharded_state_dict), so a checkpoint written at TP=2 x PP=2 loads at TP=1 and vi
 padded vocabulary is part of the stored shapes; megadiv pads to a multiple of 128, the same for
 every power-of-two TP (megadiv.models.sharding.padded_vocab_size).
 
+A checkpoint moves between megatron's local spec and Transformer Engine's: TE modules (its norms,
+its fused layers) carry an ``_extra_state`` (FP8 scaling history) that the local spec's modules do
+not, so a local-spec checkpoint, and any a CPU run wrote, lacks those entries. A module whose extra
+state the checkpoint lacks keeps the one it was built with (what a fresh TE model starts from); any
+other entry the checkpoint lacks is an error (``load_sharded``, ``load_module_state``).
+
 Writes go to ``<dir>.partial`` and are renamed to ``<dir>`` only after every rank has finished,
 so an interrupted save never looks like a checkpoint. Collective: call on every rank.
 """
@@ -37,6 +43,36 @@ def sharded_state_dict(model) -> dict:
     with virtual pipeline stages (megatron-LM's key convention)."""
     gpts = model.gpt_models
     return {key: g.sharded_state_dict() for key, g in zip(_chunk_keys(len(gpts)), gpts)}
+
+
+EXTRA_STATE = "_extra_state"
+
+
+def load_sharded(template: dict, ckpt_dir: str | Path, **kwargs) -> dict:
+    """``dist_checkpointing.load(template, ckpt_dir, **kwargs)``, where entries of ``template``
+    that the checkpoint lacks are left out if they are a module's extra state, and refused by name
+    otherwise (collective: every rank raises the same error)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    # RETURN_UNEXPECTED: megatron drops the requested keys the checkpoint lacks and names them;
+    # its default would let the storage reader fail on the first of them, extra state or not
+    state, _, absent = dist_checkpointing.load(template, str(ckpt_dir), strict=StrictHandling.RETURN_UNEXPECTED,
+                                               **kwargs)
+    everyone = [None] * dist.get_world_size()  # each rank asks for its own shards: one's refusal stops all
+    dist.all_gather_object(everyone, sorted(k for k in absent if not k.endswith(EXTRA_STATE)))
+    refused = sorted({k for keys in everyone for k in keys})
+    if refused:
+        raise CheckpointError(f"{ckpt_dir} lacks {len(refused)} entries this run needs: {refused[:8]}"
+                              f"{' ...' if len(refused) > 8 else ''} (only a module's {EXTRA_STATE} may be absent)")
+    return state
+
+
+def load_module_state(module, state: dict) -> None:
+    """``module.load_state_dict(state)``, strict but for extra state that ``state`` lacks (left
+    out by ``load_sharded``): such a module keeps its own."""
+    own = {k: v for k, v in module.state_dict().items() if k.endswith(EXTRA_STATE) and k not in state}
+    module.load_state_dict({**state, **own})
 
 
 def _chunk_keys(n: int) -> list[str]:
@@ -88,9 +124,8 @@ def read_metadata(ckpt_dir: str | Path) -> dict:
 
 
 def load_megatron_checkpoint(model, ckpt_dir: str | Path) -> None:
-    """Load ``ckpt_dir`` into ``model`` (built at any TP/PP with the same architecture)."""
-    from megatron.core import dist_checkpointing
-
+    """Load ``ckpt_dir`` into ``model`` (built at any TP/PP with the same architecture, with
+    either spec)."""
     meta = read_metadata(ckpt_dir)
     stored = arch_from_hf_config(meta["hf_config"])
     mine, theirs = model.arch.__dict__, {**stored.__dict__, "dtype": model.arch.dtype}
@@ -101,6 +136,6 @@ def load_megatron_checkpoint(model, ckpt_dir: str | Path) -> None:
         raise CheckpointError(
             f"{ckpt_dir} stores the vocabulary padded to {meta['padded_vocab_size']} rows, this model pads to "
             f"{model.padded_vocab_size}; build it with a TP and vocab_multiple that give the same padding")
-    state = dist_checkpointing.load(sharded_state_dict(model), str(ckpt_dir))
+    state = load_sharded(sharded_state_dict(model), ckpt_dir)
     for key, gpt in zip(_chunk_keys(len(model.gpt_models)), model.gpt_models):
-        gpt.load_state_dict(state[key])
+        load_module_state(gpt, state[key])

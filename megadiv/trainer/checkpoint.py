@@ -17,14 +17,15 @@
 A save (``CheckpointSaver.save``) writes ``step_N.partial`` in parallel and in the background:
 megatron's fully parallel save strategy spreads the shards that data-parallel replicas hold in
 common over the replicas, so every rank writes its own files; the training ranks block only while
-the state is planned and staged on the host (megatron's async save: the writer is a process forked
-from the rank, which writes the staged tensors and then the checksums of the files it wrote,
-``written_<rank>.json``). Once every rank's writer has finished (``poll``, one all-reduce per step),
-rank 0 merges those records, hashes the few small files it wrote itself, writes the manifest last
-and renames the directory. A crash or a signal mid-save leaves only a ``.partial`` directory,
-which is never resumed from. Only ``keep_last`` complete checkpoints are kept. Collective: call on
-every rank. The DeepSpeed backend saves synchronously (DeepSpeed's own writer); its files are
-hashed in shares by every rank.
+the state is planned, staged on the host and hashed (megatron's async save: the writer is a process
+forked from the rank, which writes the staged tensors, checks them against those hashes and then
+writes the checksums of the files it wrote, ``written_<rank>.json``; the saver holds the staged
+tensors until the save is sealed, ``_Staging``). Once every rank's writer has finished (``poll``,
+one all-reduce per step), rank 0 merges those records, hashes the few small files it wrote
+itself, writes the manifest last and renames the directory. A crash or a signal mid-save leaves
+only a ``.partial`` directory, which is never resumed from. Only ``keep_last`` complete
+checkpoints are kept. Collective: call on every rank. The DeepSpeed backend saves synchronously
+(DeepSpeed's own writer); its files are hashed in shares by every rank.
 
 Resume (``find_resume_point``) scans ``step_*`` newest first and takes the first one that is
 complete and intact (manifest present, every listed file present with its size, checked by rank
@@ -57,7 +58,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megadiv.config import ConfigError, ParallelConfig
 from megadiv.divergence.losses import PolicyLossConfig
 from megadiv.divergence.mirror_map import fingerprint, load_vector, save_vector
-from megadiv.models.checkpoint import CheckpointError, sharded_state_dict, write_metadata
+from megadiv.models.checkpoint import (
+    CheckpointError,
+    load_module_state,
+    load_sharded,
+    sharded_state_dict,
+    write_metadata,
+)
 from megadiv.policy.megatron import Policy
 from megadiv.progress import Progress, bytes_read, directory_bytes
 from megadiv.trainer.lifecycle import RestartRefused, start_helper, writing
@@ -292,6 +299,45 @@ class _SaveInFlight:
     backend: str
     started: float       # time.perf_counter() at the start of save()
     blocking_s: float = 0.0
+    staging: _Staging | None = None  # what the writer writes from, held until the save is sealed
+
+
+class _Staging:
+    """megatron's staging of a save (its ``preload_fn``: the state copied to host memory, pinned
+    on a GPU), wrapped so that the saver owns the copies until the save is sealed. megatron-core
+    0.16.1 keeps its only reference to them in a local of the call that forks the writer (the
+    forked ``multiprocessing.Process`` drops its arguments once started): once that call returns,
+    a later pinned allocation can reuse the pages while the writer is still writing them.
+
+    ``checksums``: the staged tensors' bytes hashed here, in the rank, before the writer exists.
+    The writer compares the tensors it wrote from against them once written, so a buffer that
+    changed under it fails the save rather than being written and hashed as if it were the state."""
+
+    def __init__(self, preload):
+        self._preload = preload
+        self.buckets = None    # megatron's write buckets: (path, file name, (bytes items, [(item, tensor)]))
+        self.checksums = None
+
+    def __call__(self):
+        self.buckets = self._preload()
+        self.checksums = _staged_checksums(self.buckets)
+        return self.buckets
+
+    def changed(self) -> list[str]:
+        """The staged tensors whose bytes differ from what was staged (file: tensor name)."""
+        return [f"{name}: {item.index.fqn}" for (_, name, (_, tensors)), sums in zip(self.buckets, self.checksums)
+                for (item, tensor), staged in zip(tensors, sums) if _tensor_checksum(tensor) != staged]
+
+
+def _staged_checksums(buckets) -> list[list[str]]:
+    return [[_tensor_checksum(tensor) for _, tensor in tensors] for _, _, (_, tensors) in buckets]
+
+
+def _tensor_checksum(tensor: torch.Tensor) -> str:
+    """xxh3-64 of a host tensor's storage: the bytes torch.save writes (megatron's staging gives
+    each tensor a storage of its own size: views are cloned)."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    return xxhash.xxh3_64_hexdigest(raw.numpy())
 
 
 class CheckpointSaver:
@@ -364,9 +410,11 @@ class CheckpointSaver:
             if rank == 0:
                 write_metadata(actor.model, partial)
             mine = _save_rng(rng_state, partial, rank)
-            # the forked writer writes this rank's shards, then their checksums (_write_and_record)
-            request = request._replace(async_fn=functools.partial(_write_and_record, request.async_fn, partial,
-                                                                  rank, mine))
+            staging = self._in_flight.staging = _Staging(request.preload_fn) if request.preload_fn else None
+            # the forked writer writes this rank's shards, checks them against the staging checksums,
+            # then hashes the files (_write_and_record)
+            request = request._replace(preload_fn=staging, async_fn=functools.partial(
+                _write_and_record, request.async_fn, partial, rank, mine, staging))
             request.add_finalize_fn(self._seal)
             self._async_calls().schedule_async_request(request)  # stages on the host, forks the writer
         self._in_flight.blocking_s = time.perf_counter() - started
@@ -449,13 +497,21 @@ def _save_rng(state: dict, partial: Path, rank: int) -> dict:
 WRITTEN = "written_{rank}.json"  # a rank's record of the files it wrote (merged into the manifest)
 
 
-def _write_and_record(write, partial: Path, rank: int, mine: dict, *args, **kwargs) -> None:
+def _write_and_record(write, partial: Path, rank: int, mine: dict, staging: _Staging | None, *args,
+                      **kwargs) -> None:
     """In the rank's forked writer: megatron's write of this rank's shards (``write``; None when
-    the rank has none to write), then the size and checksum of each of them (read back from the
-    page cache, on every rank at once), recorded with ``mine`` (the rank's RNG file)."""
+    the rank has none to write), a check that the staged tensors it wrote from still hold what
+    was staged, then the size and checksum of each shard (read back from the page cache, on every
+    rank at once), recorded with ``mine`` (the rank's RNG file). A failed check is recorded
+    instead of the checksums: the seal refuses the save."""
     started = time.perf_counter()
     if write is not None:
         write(*args, **kwargs)
+    changed = staging.changed() if staging is not None else []
+    if changed:
+        _record_written(partial, rank, {}, time.perf_counter() - started,
+                        error=f"rank {rank}'s staged copy changed while its writer wrote it: {changed[:4]}")
+        return
     try:
         shards = {f.name: [f.stat().st_size, file_checksum(f)] for f in sorted(partial.glob(f"__{rank}_*.distcp"))}
         _record_written(partial, rank, mine | shards, time.perf_counter() - started)
@@ -463,9 +519,9 @@ def _write_and_record(write, partial: Path, rank: int, mine: dict, *args, **kwar
         return       # else the missing record does; a traceback from this process would only echo it
 
 
-def _record_written(partial: Path, rank: int, files: dict, seconds: float) -> None:
+def _record_written(partial: Path, rank: int, files: dict, seconds: float, error: str | None = None) -> None:
     path = partial / WRITTEN.format(rank=rank)
-    path.with_suffix(".tmp").write_text(json.dumps({"files": files, "seconds": seconds}))
+    path.with_suffix(".tmp").write_text(json.dumps({"files": files, "seconds": seconds, "error": error}))
     path.with_suffix(".tmp").rename(path)
 
 
@@ -482,12 +538,15 @@ def _verify_and_seal(partial: Path, step: int, layout: dict, coordinates: list, 
     if missing:
         raise CheckpointError(f"checkpoint {partial} is incomplete after saving: missing {missing} (the ranks' "
                               f"records of what they wrote; their writers failed)")
-    written, seconds = {}, []
+    written, seconds, errors = {}, [], []
     for f in records:
         record = json.loads(f.read_text())
         written |= record["files"]
         seconds.append(record["seconds"])
+        errors += [record["error"]] if record.get("error") else []
         f.unlink()
+    if errors:
+        raise CheckpointError(f"checkpoint {partial} is not sealed: " + "; ".join(errors))
     if backend == "megatron":
         dist_checkpointing.load_common_state_dict(str(partial))
     for name in written:
@@ -590,10 +649,10 @@ def _load(path: Path, actor: Policy) -> dict:
     # broadcast to the others (megatron's fully parallel load), not read once per replica
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)),
                                                 parallel_state.get_data_parallel_group(with_context_parallel=True))
-    state = dist_checkpointing.load(_state_template(actor, is_loading=True, saved_distributed=saved_distributed,
-                                                    converting=converting), str(path), sharded_strategy=strategy)
+    state = load_sharded(_state_template(actor, is_loading=True, saved_distributed=saved_distributed,
+                                         converting=converting), path, sharded_strategy=strategy)
     for key, gpt in zip([k for k in state if k.startswith("model")], actor.model.gpt_models):
-        gpt.load_state_dict(state[key])
+        load_module_state(gpt, state[key])
     optimizer_state = state["optimizer"]
     if converting:
         optimizer_state = _converted_optimizer_state(actor, state[CONVERTED], common["optimizer"])
