@@ -100,7 +100,7 @@ class RolloutConfig:
     same figure on identical weights before any training (taken again at the loaded weights on
     resume). bf16 or FP8 noise scales the limit; a stale, missing or misnamed tensor moves the
     figure by O(1) (docs/rollout.md)."""
-    probe_max_limit: float = 1.0
+    probe_max_limit: float = 0.5
     """The largest limit the baseline may set: a baseline x probe_factor above it stops the run at its
     start (engine and trainer disagree on the same weights, so an O(1) corruption would pass)."""
     probe_prompts: int = 4

@@ -94,13 +94,13 @@ def probe_limit(baseline: float, cfg: RolloutConfig) -> float:
     exceeds rollout.probe_max_limit: engine and trainer already disagree on the same weights by
     so much that a corrupted tensor could no longer be told from noise (a load or conversion
     defect, or a precision gap too wide for the check)."""
-    limit = max(cfg.probe_floor, cfg.probe_factor * baseline)
-    if not limit <= cfg.probe_max_limit:  # NaN fails too
+    scaled = cfg.probe_factor * baseline
+    if not scaled <= cfg.probe_max_limit:  # NaN fails too (max() below would drop it)
         raise WeightSyncError(f"on identical weights the engine's probe log-probs already differ from the trainer's by "
                               f"a mean {baseline:.3g}; x rollout.probe_factor={cfg.probe_factor:g} that is above "
                               f"rollout.probe_max_limit={cfg.probe_max_limit:g}: the engine and the trainer do not "
                               f"compute the same model (a load or conversion defect?)")
-    return limit
+    return max(cfg.probe_floor, scaled)
 
 
 def probe_mismatch(engine: RolloutEngine, probe: ProbeBatch, trainer: TrainerLogprobs,
