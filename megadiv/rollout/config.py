@@ -94,7 +94,7 @@ class RolloutConfig:
     probe_floor: float = 0.05
     """The smallest limit on the mean |engine log-prob - trainer log-prob| over the probe tokens after
     a push: a figure at or below it always passes. It rules where the step-0 baseline is tiny
-    (float32: ~1e-6), so that noise a little above that baseline is not an error."""
+    (float32: ~1e-7), so that noise a little above that baseline is not an error."""
     probe_factor: float = 4.0
     """The limit after a push is max(probe_floor, probe_factor x the baseline), the baseline being the
     same figure on identical weights before any training (taken again at the loaded weights on

@@ -262,7 +262,9 @@ class RolloutDriver:
             n, held_out = self.cfg.rollout.probe_prompts, next((s.prompts for s in self.eval_suite.sets), None)
             prompts = ([held_out[i] for i in spread(len(held_out), n)] if held_out else
                        [self.template.token_ids(self.dataset[i], self.tokenizer) for i in spread(len(self.dataset), n)])
-            probe = ProbeBatch.answer(self.engine, prompts, self.cfg.rollout, real_vocab=len(self.tokenizer))
+            with torch.random.fork_rng():  # the same draw for the same seed, and the run's sampling as without it
+                torch.manual_seed(self.cfg.run.seed)
+                probe = ProbeBatch.answer(self.engine, prompts, self.cfg.rollout, real_vocab=len(self.tokenizer))
         except BaseException as e:
             self.handoff.fail("probe", e)
             raise
