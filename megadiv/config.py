@@ -373,6 +373,8 @@ def from_dict(cls: type, data: dict, prefix: str = "", root: type | None = None)
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if key in getattr(cls, "RETIRED_KEYS", {}):  # a section's removed keys, each with its replacement
+            raise ConfigError(f"config key '{dotted}' is no longer taken: {cls.RETIRED_KEYS[key]}")
         if key not in names:
             dotted = _first_leaf(dotted, value)
             raise ConfigError(f"unknown config key '{dotted}'" + _suggestion(dotted, root))

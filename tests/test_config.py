@@ -270,14 +270,16 @@ def test_a_recipe_is_checked_before_its_weights_are_on_disk(capsys, tmp_path):
     recipe = [str(Path(__file__).resolve().parents[1] / f) for f in recipe] + [f"run.output_dir={tmp_path}"]
     rc, err = _in_process(capsys, "check-config", *recipe, "--world-size", "8")
     public = HF_CONFIGS / "Qwen3-8B" / "config.json"
+    sync = ("megadiv: rollout.sync_method: auto -> tensor for servers launched on GPUs the trainer's ranks hold "
+            "(CUDA-IPC handles, as when the ranks fill the node), distributed on GPUs of their own or on a CPU")
     assert rc == 0 and err == [f"megadiv: model.hf_dir=/checkpoints/Qwen3-8B holds no config.json yet; checking the "
                                f"architecture of {public} (the public config of Qwen3-8B) in its place; the weights "
-                               f"are not checked"], err
+                               f"are not checked", sync], err
     mine = tmp_path / "config.json"
     mine.write_text(public.read_text())
     rc, err = _in_process(capsys, "check-config", *recipe, "--hf-config", str(mine), "--world-size", "8")
     assert rc == 0 and err == [f"megadiv: checking the architecture of {mine} (--hf-config) in place of "
-                               f"model.hf_dir=/checkpoints/Qwen3-8B; its weights are not checked"], err
+                               f"model.hf_dir=/checkpoints/Qwen3-8B; its weights are not checked", sync], err
     rc, err = _in_process(capsys, "check-config", *recipe, "parallel.tensor_parallel=3", "--world-size", "24")
     assert rc == 2 and "does not divide the 32 attention heads" in err[-1]  # the architecture is really checked
     rc, err = _in_process(capsys, "plan", *recipe, "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gib", "80")

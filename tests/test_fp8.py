@@ -1,5 +1,5 @@
-"""FP8 on the CPU tier: which recipe runs where (checked before any GPU work), the probe limit
-for FP8 trainers, and the sequence multiple the policy pads to."""
+"""FP8 on the CPU tier: which recipe runs where (checked before any GPU work) and the sequence
+multiple the policy pads to."""
 import re
 import subprocess
 import sys
@@ -9,7 +9,6 @@ import pytest
 from megadiv.config import ConfigError, ModelConfig, ParallelConfig
 from megadiv.models.fp8 import FP8_RECIPES, check_fp8
 from megadiv.policy.megatron import sequence_multiple
-from megadiv.rollout import RolloutConfig
 
 HOPPER, BLACKWELL, AMPERE, ADA = (9, 0), (10, 0), (8, 0), (8, 9)
 
@@ -50,13 +49,6 @@ def test_setup_py_te_range_runs_every_recipe():
     assert floor, "setup.py's gpu extra has no bounded transformer-engine requirement"
     assert (int(floor[1]), int(floor[2])) == (2, 9)
     assert max(min_te for min_te, _, _ in FP8_RECIPES.values()) <= (2, 9)
-
-
-def test_probe_limit_follows_the_trainer_precision():
-    cfg = RolloutConfig()
-    assert cfg.probe_threshold(fp8=False) == 0.05 and cfg.probe_threshold(fp8=True) == 0.25
-    with pytest.raises(ConfigError, match="mismatch_threshold_fp8"):
-        RolloutConfig(mismatch_threshold_fp8=0.0)
 
 
 def test_sequence_multiple_for_fp8_and_sequence_parallelism():

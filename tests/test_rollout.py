@@ -25,6 +25,8 @@ from megadiv.rollout import (
     WeightSyncError,
     check_mismatch,
     make_engine,
+    probe_limit,
+    probe_mismatch,
 )
 from megadiv.rollout.embedded import EmbeddedEngine
 from megadiv.rollout.sglang_server import live_group_members
@@ -121,6 +123,15 @@ def serve(engine, sd: dict, version: str) -> None:
 PROMPTS = [[5, 17, 33, 8], [40, 41], [9, 60, 61, 62, 63, 64, 70]]
 
 
+def random_probe(seed: int, rows: int = 4, length: int = 16) -> ProbeBatch:
+    """Random ids of the tiny model's whole (unpadded) vocabulary, for the tests that compare
+    float32 log-probs exactly, where any tokens do; a run's probe is the engine's answers to
+    held-out prompts (ProbeBatch.answer, tested below)."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda: torch.randint(0, 100, (length,), generator=g).tolist()  # noqa: E731
+    return ProbeBatch([draw() for _ in range(rows)], [draw() for _ in range(rows)])
+
+
 # --------------------------------------------------------------------------- the protocol, on both engines
 
 
@@ -178,21 +189,77 @@ def test_score_matches_the_reference(engine, base, reference):
 
 
 def test_weight_sync_is_verified_by_the_mismatch_check(engine, base, reference):
-    """Before the sync the engine serves stale weights: the check raises. After it the engine's
-    probe log-probs equal the trainer's (the reference with the new weights)."""
+    """The run's probe: the engine's answers on the starting weights, a baseline on them (float32:
+    the floor rules). Before the sync the engine serves stale weights: the check raises. After it
+    the engine's probe log-probs equal the trainer's (the reference with the new weights)."""
     serve(engine, base, "base")
-    new = perturbed(base, seed=1)
     cfg = RolloutConfig()
-    probe = ProbeBatch.random(100, cfg, seed=0)
+    probe = ProbeBatch.answer(engine, PROMPTS, cfg, real_vocab=100)
+    baseline = probe_mismatch(engine, probe, reference.load(base).logprobs(probe.prompts, probe.responses), "base")
+    limit = probe_limit(baseline.mean_abs, cfg)
+    assert baseline.max_abs < TOL and limit == cfg.probe_floor
+    new = perturbed(base, seed=1)
     trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
     with pytest.raises(WeightSyncError, match="differ from the trainer's"):
-        check_mismatch(engine, probe, trainer, cfg.mismatch_threshold, "step-1")
+        check_mismatch(engine, probe, trainer, limit, "step-1")
     report = engine.update_weights(iter(buckets_of(new, per=3)), "step-1")
     assert (report.num_tensors, report.num_buckets) == (len(new), -(-len(new) // 3))
     assert report.bytes == sum(t.numel() * 4 for t in new.values())
     assert engine.weight_version == "step-1"
-    mismatch = check_mismatch(engine, probe, trainer, cfg.mismatch_threshold, "step-1")
-    assert mismatch.max_abs < TOL and mismatch.tokens == cfg.probe_prompts * cfg.probe_response_len
+    mismatch = check_mismatch(engine, probe, trainer, limit, "step-1")
+    assert mismatch.max_abs < TOL and mismatch.tokens == sum(len(r) for r in probe.responses)
+
+
+def test_the_limit_scales_with_a_low_precision_baseline_and_still_catches_a_stale_tensor(embedded_engine, base,
+                                                                                          hf_dir):
+    """A bf16 trainer against the float32 engine: the baseline on identical weights is bf16's noise
+    (~3e-3 on the tiny model), the limit follows it above a low floor, noise after a push of new
+    weights passes, and the same push with one tensor left stale (0.26 mean) is caught."""
+    bf16 = Reference(hf_dir)
+    bf16.model.to(torch.bfloat16)
+    cfg = RolloutConfig(probe_floor=1e-3)
+    serve(embedded_engine, base, "base")
+    probe = ProbeBatch.answer(embedded_engine, PROMPTS, cfg, real_vocab=100)
+    baseline = probe_mismatch(embedded_engine, probe, bf16.load(base).logprobs(probe.prompts, probe.responses), "base")
+    limit = probe_limit(baseline.mean_abs, cfg)
+    assert baseline.mean_abs > TOL and limit == cfg.probe_factor * baseline.mean_abs > cfg.probe_floor
+    new = perturbed(base, seed=1)
+    trainer = bf16.load(new).logprobs(probe.prompts, probe.responses)
+    serve(embedded_engine, new, "step-1")
+    assert check_mismatch(embedded_engine, probe, trainer, limit, "step-1").mean_abs > TOL  # bf16 noise, passed
+    stale = new | {"model.layers.0.mlp.down_proj.weight": base["model.layers.0.mlp.down_proj.weight"]}
+    serve(embedded_engine, stale, "step-2")
+    with pytest.raises(WeightSyncError, match="not serving the trainer's weights"):
+        check_mismatch(embedded_engine, probe, trainer, limit, "step-2")
+
+
+def test_probe_answers_are_real_text_never_padding_ids(tmp_path):
+    """A padded vocabulary (as Qwen3's 151936 rows over a 151669-token tokenizer) whose padding rows
+    the random model samples often: the probe keeps the chat-templated prompts and answers made of
+    the tokenizer's own ids only."""
+    from transformers import AutoTokenizer
+
+    from megadiv.models.tiny import make_tiny_model
+
+    hf_padded = str(make_tiny_model(tmp_path / "padded", "qwen2", vocab=128))
+    tokenizer = AutoTokenizer.from_pretrained(hf_padded)
+    assert len(tokenizer) == 100
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                              add_generation_prompt=True))
+               for q in ("What is 17 + 25?", "Name a prime above 40.", "Sort 3 1 2.", "2 * 3 = ?")]
+    cfg = RolloutConfig(probe_response_len=12)
+    engine = make_engine(cfg, hf_padded)
+    try:
+        torch.manual_seed(0)
+        drawn = [t for g in engine.generate(prompts, SamplingParams(n=4, max_new_tokens=12)) for c in g
+                 for t in c.token_ids]
+        assert max(drawn) >= 100  # the engine does sample padding ids here
+        probe = ProbeBatch.answer(engine, prompts, cfg, real_vocab=len(tokenizer))
+    finally:
+        engine.shutdown()
+    assert probe.prompts == prompts
+    assert all(1 <= len(r) <= 12 for r in probe.responses)
+    assert all(0 <= t < len(tokenizer) for r in probe.responses for t in r)
 
 
 def test_bad_tensor_is_refused_and_the_engine_keeps_serving(engine, base, reference):
@@ -268,7 +335,7 @@ def test_server_refusals_are_errors_not_hangs(sglang_engine, hf_dir, base, refer
         # 3. the engine recovers: a new group, a full sync, exact log-probs
         new = perturbed(base, seed=2)
         serve(unchecked, new, "step-good")
-        probe = ProbeBatch.random(100, unchecked.cfg, seed=0)
+        probe = random_probe(seed=0)
         trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
         assert check_mismatch(unchecked, probe, trainer, 1e-3, "step-good").max_abs < TOL
         # 4. a misnamed tensor is silently skipped by SGLang: only the mismatch check sees it
@@ -277,7 +344,7 @@ def test_server_refusals_are_errors_not_hangs(sglang_engine, hf_dir, base, refer
         serve(unchecked, renamed, "step-misnamed")
         trainer = reference.load(newer).logprobs(probe.prompts, probe.responses)
         with pytest.raises(WeightSyncError, match="not serving the trainer's weights"):
-            check_mismatch(unchecked, probe, trainer, unchecked.cfg.mismatch_threshold, "step-misnamed")
+            check_mismatch(unchecked, probe, trainer, unchecked.cfg.probe_floor, "step-misnamed")
     finally:
         unchecked.shutdown()
     assert sglang_engine.server.alive()

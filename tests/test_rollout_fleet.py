@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from megadiv.rollout import (
-    ProbeBatch,
     RolloutConfig,
     RolloutError,
     SamplingParams,
@@ -30,7 +29,7 @@ from megadiv.rollout import (
 from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.sglang_server import SGLangServer, child_env, free_port, launch_command, live_group_members
 from megadiv.rollout.weight_sync import post
-from tests.test_rollout import TOL, base, buckets_of, hf_dir, perturbed, reference  # noqa: F401 (fixtures)
+from tests.test_rollout import TOL, base, buckets_of, hf_dir, perturbed, random_probe, reference  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -83,7 +82,7 @@ def test_every_update_reaches_every_server(fleet, base, reference):
     """A fleet sync lands on both servers (the probe check scores on each); a server that missed
     an update is caught by the check and named, the up-to-date one is not."""
     (url_a, _), (url_b, b) = fleet.members.items()
-    probe = ProbeBatch.random(100, RolloutConfig(), seed=0)
+    probe = random_probe(seed=0)
     for step, seed in enumerate((1, 2), start=1):
         new = perturbed(base, seed=seed)
         report = fleet.update_weights(iter(buckets_of(new, per=3)), f"step-{step}")
@@ -116,7 +115,7 @@ def test_a_refusing_server_is_named_and_the_fleet_recovers(fleet, base, referenc
     post(url_a, "/end_weight_update", {}, 30)
     new = perturbed(base, seed=5)
     fleet.update_weights(iter(buckets_of(new)), "step-5")
-    probe = ProbeBatch.random(100, RolloutConfig(), seed=0)
+    probe = random_probe(seed=0)
     trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
     assert check_mismatch(fleet, probe, trainer, 0.05, "step-5").max_abs < TOL
     assert fleet.weight_version == "step-5"
@@ -148,7 +147,7 @@ def test_a_server_killed_during_a_push_is_dropped_and_the_fleet_goes_on(fleet, b
     assert fleet.urls == [url_a] and "lost during weight sync 'mid-push'" in fleet.dropped[url_b]
     assert (report.num_tensors, report.num_buckets, report.bytes) == (len(new), len(buckets), model_bytes)
     assert report.bytes_sent == model_bytes  # bucket 2 went out once, to the survivor
-    probe = ProbeBatch.random(100, RolloutConfig(), seed=0)
+    probe = random_probe(seed=0)
     trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
     assert check_mismatch(fleet, probe, trainer, 0.05, "mid-push").max_abs < TOL
     newer = perturbed(base, seed=7)

@@ -1,5 +1,5 @@
 """Rollout pieces that need no engine: config validation, bucket flattening, the weight manifest,
-the launch command and environment of a CPU server, the probe batch."""
+the launch command and environment of a CPU server, the probe's limit and answers."""
 import dataclasses
 import subprocess
 import sys
@@ -12,14 +12,15 @@ from safetensors.torch import save_file
 
 from megadiv.config import ConfigError, from_dict
 from megadiv.rollout import (
-    ProbeBatch,
     RolloutConfig,
     RolloutError,
     SamplingParams,
     WeightSyncError,
+    probe_limit,
     resolve_engine_name,
 )
 from megadiv.rollout.engine import split_evenly
+from megadiv.rollout.mismatch import real_prefix, spread
 from megadiv.rollout.sglang_engine import resolve_sync_method
 from megadiv.rollout.sglang_server import (
     CPU_STANDINS,
@@ -36,7 +37,8 @@ from megadiv.rollout.weight_sync import check_bucket, exported_ahead, flatten_bu
 
 @pytest.mark.parametrize("key, value", [
     ("n_samples", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("max_new_tokens", 0),
-    ("bucket_bytes", 0), ("sync_timeout_s", 0.0), ("mismatch_threshold", 0.0), ("server_urls", ("node7:30000",)),
+    ("bucket_bytes", 0), ("sync_timeout_s", 0.0), ("probe_floor", 0.0), ("probe_factor", 0.5),
+    ("probe_max_limit", 0.05), ("server_urls", ("node7:30000",)),
     ("stop_token_ids", (-1,)), ("mem_fraction_static", 1.0), ("server_tp", 0), ("num_servers", 0),
     ("server_urls", ("http://a:1", "http://a:1")), ("server_python", "python3"),
 ])
@@ -435,9 +437,29 @@ def test_sgl_kernel_standin_matches_the_triton_kernel_semantics():
         mod.fused_experts_cpu()
 
 
-def test_probe_batch_is_fixed_by_its_seed():
-    cfg = RolloutConfig(probe_prompts=3, probe_prompt_len=5, probe_response_len=7)
-    a, b = ProbeBatch.random(50, cfg, seed=1), ProbeBatch.random(50, cfg, seed=1)
-    assert a == b and a != ProbeBatch.random(50, cfg, seed=2)
-    assert [len(p) for p in a.prompts] == [5] * 3 and [len(r) for r in a.responses] == [7] * 3
-    assert all(0 <= t < 50 for seq in a.prompts + a.responses for t in seq)
+def test_probe_limit_scales_with_the_baseline_up_to_the_cap():
+    """max(probe_floor, probe_factor x baseline): a float32 baseline leaves the floor, bf16 noise
+    raises the limit with it, and a baseline whose limit would pass an O(1) shift (or NaN) is an
+    error at the start of the run."""
+    cfg = RolloutConfig(probe_floor=0.05, probe_factor=4.0, probe_max_limit=1.0)
+    assert probe_limit(2e-7, cfg) == 0.05
+    assert probe_limit(0.03, cfg) == pytest.approx(0.12)
+    assert probe_limit(0.25, cfg) == 1.0
+    for baseline in (0.26, float("nan")):
+        with pytest.raises(WeightSyncError, match="on identical weights.*rollout.probe_max_limit=1"):
+            probe_limit(baseline, cfg)
+
+
+@pytest.mark.parametrize("key, replacement", [("mismatch_threshold", "rollout.probe_floor"),
+                                              ("mismatch_threshold_fp8", "rollout.probe_factor"),
+                                              ("probe_prompt_len", "whole held-out prompts")])
+def test_retired_probe_keys_are_refused_with_their_replacement(key, replacement):
+    from megadiv.trainer.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=f"'rollout.{key}' is no longer taken: .*{replacement}"):
+        from_dict(TrainConfig, {"rollout": {key: 0.1}})
+
+
+def test_probe_prompts_are_spread_and_answers_cut_before_padding():
+    assert spread(10, 4) == [0, 2, 5, 7] and spread(2, 4) == [0, 0, 1, 1]  # fewer problems than probe rows
+    assert real_prefix([5, 99, 100, 3], real_vocab=100) == [5, 99] and real_prefix([100, 3], 100) == []

@@ -82,6 +82,8 @@ def test_two_grpo_steps_end_to_end(tmp_path, layout):
         missing = [k for k in STEP_FIELDS if k not in r]
         assert not missing, f"metrics.jsonl lacks {missing}"
         assert r["skipped"] == 0 and r["sync/probe_abs_diff_mean"] < 1e-4  # engine serves the trainer's weights
+        assert r["sync/probe_limit"] == 0.05  # float32: the step-0 baseline is ~1e-7, rollout.probe_floor rules
+    assert "weight-sync probe: " in out and "on identical weights, limit 0.05" in out
     assert "step 2/2 | " in out and "time[s] rollout" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
@@ -118,7 +120,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     out = megadiv_train(resumed, "grpo.steps=3", "eval.every=0", "grpo.stop_after=2")
     assert "stopped after step 2" in out and not (resumed / "summary.json").exists()
     out = megadiv_train(resumed, "grpo.steps=3", "eval.every=0")
-    assert "resumed from" in out
+    assert "resumed from" in out and "weight-sync probe: " in out  # the baseline, again at the loaded weights
     a, b = step_records(straight), step_records(resumed)
     assert [r["step"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b):

@@ -2,7 +2,7 @@
 server shares GPU 0 with this (trainer) process, takes its memory share, and ``sync_method: auto``
 resolves to CUDA-IPC handles (``tensor``; a broadcast group cannot span one GPU). After a sync the
 server's log-probs match a transformers reference with the new weights (the server computes in
-bf16: the mean limit is rollout.mismatch_threshold's default), before it they do not."""
+bf16: the mean limit is rollout.probe_floor's default), before it they do not."""
 import os
 
 import pytest
@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 @pytest.mark.timeout(900)
 def test_colocated_server_syncs_by_cuda_ipc(tmp_path):
     from megadiv.models.tiny import make_tiny_model
-    from megadiv.rollout import ProbeBatch, RolloutConfig, WeightSyncError, check_mismatch
+    from megadiv.rollout import RolloutConfig, WeightSyncError, check_mismatch
     from megadiv.rollout.sglang_engine import SGLangEngine
-    from tests.test_rollout import Reference, buckets_of, perturbed
+    from tests.test_rollout import Reference, buckets_of, perturbed, random_probe
 
     hf_dir = str(make_tiny_model(tmp_path / "tiny-qwen2", "qwen2"))
     base = load_file(os.path.join(hf_dir, "model.safetensors"))
@@ -27,14 +27,14 @@ def test_colocated_server_syncs_by_cuda_ipc(tmp_path):
         assert engine.gpu.base_gpu_id == 0 and engine.gpu.shares_trainer_gpus
         assert engine.sync_method == "tensor"
         new = perturbed(base, seed=1)
-        probe = ProbeBatch.random(100, cfg, seed=0)
+        probe = random_probe(seed=0)
         trainer = Reference(hf_dir).load(new).logprobs(probe.prompts, probe.responses)
         with pytest.raises(WeightSyncError, match="differ from the trainer's"):
-            check_mismatch(engine, probe, trainer, cfg.mismatch_threshold, "stale")
+            check_mismatch(engine, probe, trainer, cfg.probe_floor, "stale")
         on_gpu = [[(n, t.cuda()) for n, t in bucket] for bucket in buckets_of(new, per=3)]
         report = engine.update_weights(iter(on_gpu), "step-1")
         assert report.num_tensors == len(new) and engine.weight_version == "step-1"
-        mismatch = check_mismatch(engine, probe, trainer, cfg.mismatch_threshold, "step-1")
+        mismatch = check_mismatch(engine, probe, trainer, cfg.probe_floor, "step-1")
         print(f"tensor sync: {report.mb_per_s:.1f} MB/s; probe mean {mismatch.mean_abs:.4f} "
               f"max {mismatch.max_abs:.4f}")
     finally:

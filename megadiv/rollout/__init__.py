@@ -29,7 +29,8 @@ from megadiv.rollout.engine import (
     WeightSyncError,
 )
 from megadiv.rollout.factory import make_engine, resolve_engine_name
-from megadiv.rollout.mismatch import MismatchReport, ProbeBatch, check_mismatch
+from megadiv.rollout.mismatch import MismatchReport, ProbeBatch, check_mismatch, probe_limit, probe_mismatch
 
 __all__ = ["Bucket", "Completion", "MismatchReport", "ProbeBatch", "RolloutConfig", "RolloutEngine", "RolloutError",
-           "SamplingParams", "SyncReport", "WeightSyncError", "check_mismatch", "make_engine", "resolve_engine_name"]
+           "SamplingParams", "SyncReport", "WeightSyncError", "check_mismatch", "make_engine", "probe_limit",
+           "probe_mismatch", "resolve_engine_name"]

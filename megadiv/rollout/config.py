@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 from urllib.parse import urlparse
 
 from megadiv.config import ConfigError
@@ -96,28 +96,41 @@ class RolloutConfig:
     """Check every pushed tensor's name and shape against the served checkpoint before sending
     (SGLang silently ignores unknown names). Skipped when the checkpoint is not readable here."""
 
-    # -- mismatch check --
-    mismatch_threshold: float = 0.05
-    """Largest allowed mean |engine log-prob - trainer log-prob| over the probe tokens after a sync
-    with a float32/bf16 trainer; above it the sync raises (a stale or corrupted weight moves this
-    by O(1))."""
-    mismatch_threshold_fp8: float = 0.25
-    """The same limit for an FP8 trainer (model.fp8), whose log-probs carry FP8's rounding (3
-    mantissa bits per GEMM operand) against the server's bf16 ones: an estimate from the FP8
-    logits test's 0.5 maximum, not yet measured on a GPU (docs/rollout.md)."""
+    # -- mismatch check (after a weight push; how often: grpo.check_mismatch_every) --
+    probe_floor: float = 0.05
+    """The smallest limit on the mean |engine log-prob - trainer log-prob| over the probe tokens after
+    a push: a figure at or below it always passes. It rules where the step-0 baseline is tiny
+    (float32: ~1e-7), so that noise a little above that baseline is not an error."""
+    probe_factor: float = 4.0
+    """The limit after a push is max(probe_floor, probe_factor x the baseline), the baseline being the
+    same figure on identical weights before any training (taken again at the loaded weights on
+    resume). bf16 or FP8 noise scales the limit; a stale, missing or misnamed tensor moves the
+    figure by O(1) (docs/rollout.md)."""
+    probe_max_limit: float = 0.5
+    """The largest limit the baseline may set: a baseline x probe_factor above it stops the run at its
+    start (engine and trainer disagree on the same weights, so an O(1) corruption would pass)."""
     probe_prompts: int = 4
-    """Sequences in the post-sync probe batch (random tokens, fixed for the run)."""
-    probe_prompt_len: int = 16
-    """Prompt tokens of each probe sequence."""
+    """Sequences in the probe batch: held-out prompts (the first eval split, else the training data,
+    spread evenly) with the run's template, and the engine's own answers to them."""
     probe_response_len: int = 16
-    """Response tokens of each probe sequence (the compared log-probs)."""
+    """Longest answer the engine draws for each probe prompt (the compared log-probs; an answer that
+    ends early is shorter)."""
+
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "mismatch_threshold": "the post-sync limit is now max(rollout.probe_floor, rollout.probe_factor x a "
+                              "baseline taken on identical weights), capped by rollout.probe_max_limit",
+        "mismatch_threshold_fp8": "the step-0 baseline includes FP8's rounding; set rollout.probe_factor / "
+                                  "rollout.probe_max_limit instead",
+        "probe_prompt_len": "the probe uses whole held-out prompts, rendered with the run's template",
+    }
+    """Keys this section no longer takes, with what replaced them (the loader's refusal names it)."""
 
     def __post_init__(self):
         def fail(key: str, why: str):
             raise ConfigError(f"rollout.{key} {why}, got {getattr(self, key)!r}")
 
         for key in ("n_samples", "max_new_tokens", "server_tp", "num_servers", "bucket_bytes", "probe_prompts",
-                    "probe_prompt_len", "probe_response_len"):
+                    "probe_response_len"):
             if getattr(self, key) < 1:
                 fail(key, "must be >= 1")
         if self.max_inflight_groups is not None and self.max_inflight_groups < 1:
@@ -133,7 +146,7 @@ class RolloutConfig:
         if not 0 < self.mem_fraction_static < 1:
             fail("mem_fraction_static", "must lie in (0, 1)")
         for key in ("startup_timeout_s", "request_timeout_s", "shutdown_grace_s", "sync_timeout_s", "handoff_timeout_s",
-                    "heartbeat_s", "heartbeat_timeout_s", "mismatch_threshold", "mismatch_threshold_fp8"):
+                    "heartbeat_s", "heartbeat_timeout_s", "probe_floor"):
             if getattr(self, key) <= 0:
                 fail(key, "must be > 0")
         for url in self.server_urls:
@@ -157,12 +170,12 @@ class RolloutConfig:
         if self.sync_method == "tensor" and remote:
             fail("sync_method", f"passes CUDA-IPC handles, which only a server on the trainer's machine can open "
                                 f"(rollout.server_urls has {remote}): use 'distributed' or 'disk'")
+        if not self.probe_factor >= 1:
+            fail("probe_factor", "must be >= 1 (below it the limit would lie under the noise it is scaled from)")
+        if not self.probe_max_limit > self.probe_floor:
+            fail("probe_max_limit", f"must be above rollout.probe_floor={self.probe_floor:g}")
 
     def attached(self, urls, **changes) -> "RolloutConfig":
         """This config for engines on running servers at ``urls`` (the fleet's members, the driver's
         view of rank 0's fleet): it launches nothing, so it has no server_python."""
         return dataclasses.replace(self, server_urls=tuple(urls), num_servers=1, server_python=None, **changes)
-
-    def probe_threshold(self, fp8: bool) -> float:
-        """The post-sync probe's limit for a trainer with or without FP8."""
-        return self.mismatch_threshold_fp8 if fp8 else self.mismatch_threshold

@@ -42,11 +42,12 @@ from megadiv.evaluation import EvalSampling, EvalSuite, accuracy, default_reward
 from megadiv.rewards import build_reward
 from megadiv.rollout import RolloutError, SamplingParams, make_engine
 from megadiv.rollout.fleet import FleetEngine
+from megadiv.rollout.mismatch import ProbeBatch, spread
 from megadiv.rollout.sglang_server import TrainerMemory
 from megadiv.rollout.stream import GroupResult
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience, build_experience, informative
-from megadiv.trainer.handoff import Handoff
+from megadiv.trainer.handoff import Handoff, torch_bytes
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,24 @@ class RolloutDriver:
             self._release()
         self.handoff.publish(f"eval/{index}")
         return metrics
+
+    def probe(self) -> None:
+        """Draw the weight-sync probe (rollout.mismatch): rollout.probe_prompts held-out prompts,
+        the first eval split's (else the training data's) spread evenly, and the engine's answers
+        on the weights it serves now; published as store key ``probe`` for every rank."""
+        try:
+            n, held_out = self.cfg.rollout.probe_prompts, next((s.prompts for s in self.eval_suite.sets), None)
+            prompts = ([held_out[i] for i in spread(len(held_out), n)] if held_out else
+                       [self.template.token_ids(self.dataset[i], self.tokenizer) for i in spread(len(self.dataset), n)])
+            with torch.random.fork_rng():  # the same draw for the same seed, and the run's sampling as without it
+                torch.manual_seed(self.cfg.run.seed)
+                probe = ProbeBatch.answer(self.engine, prompts, self.cfg.rollout, real_vocab=len(self.tokenizer))
+        except BaseException as e:
+            self.handoff.fail("probe", e)
+            raise
+        finally:
+            self._release()
+        self.handoff.publish("probe", torch_bytes([probe.prompts, probe.responses]))
 
     def _release(self) -> None:
         """End a generation phase: the other ranks stop serving generation (generation_group)."""

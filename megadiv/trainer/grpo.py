@@ -25,7 +25,7 @@ from megadiv.divergence import compute_advantages, kl_reward_penalty
 from megadiv.policy.batches import SequenceBatch
 from megadiv.policy.megatron import Policy
 from megadiv.policy.objectives import grpo_objective
-from megadiv.rollout import ProbeBatch, check_mismatch
+from megadiv.rollout import ProbeBatch, check_mismatch, probe_limit, probe_mismatch
 from megadiv.trainer import checkpoint
 from megadiv.trainer.backend import make_policy
 from megadiv.trainer.config import TrainConfig
@@ -63,7 +63,6 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(start_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         rollout = Rollout(cfg, info, start_dir, tokenizer, actor.optimizer_state_bytes())  # collective
-        probe = ProbeBatch.random(actor.vocab_size, cfg.rollout, seed=cfg.run.seed)
 
         state = {"step": 0, "nonfinite_in_row": 0, "skipped_steps": 0, "eval_before": None}
         latest = checkpoint.find_resume_point(run_dir, cfg.parallel) if cfg.checkpoint.resume == "auto" else None
@@ -76,6 +75,7 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
         if latest is not None or shares_weights(cfg):  # the loaded weights; shared from the start (no copy)
             rollout.push_weights(actor, state["step"])
+        probe = _probe_baseline(cfg, actor, rollout)  # engine and trainer on the same weights, before training
         resumed_step = state["step"]
         logger = MetricsLogger(run_dir, info.rank == 0, cfg.grpo.steps, cfg.run, to_dict(cfg),
                                resumed_step=resumed_step if latest else None)
@@ -196,18 +196,40 @@ def _guard(cfg: TrainConfig, state: dict, metrics: dict, step: int) -> dict:
     return state
 
 
-def _sync_weights(cfg: TrainConfig, actor: Policy, rollout: Rollout, probe: ProbeBatch, step: int) -> dict:
+def _probe_baseline(cfg: TrainConfig, actor: Policy, rollout: Rollout) -> tuple[ProbeBatch, float | None] | None:
+    """The weight-sync probe (held-out prompts, the engine's answers) and, on a rank with an engine,
+    its limit: the mismatch measured now, while engine and trainer hold the same weights (the
+    checkpoint both loaded; on resume the loaded weights, just pushed), scaled by
+    megadiv.rollout.mismatch.probe_limit. Taken again at every launch rather than stored: it measures this
+    engine against this trainer (GPU, server_tp, kernels, FP8), which a resume may change. None
+    when grpo.check_mismatch_every is 0. Collective."""
+    if not cfg.grpo.check_mismatch_every:
+        return None
+    probe = rollout.probe_batch()
+    trainer_lp = _probe_logprobs(actor, probe)
+    if rollout.engine is None:
+        return probe, None
+    baseline = probe_mismatch(rollout.engine, probe, trainer_lp, "baseline")
+    limit = probe_limit(baseline.mean_abs, cfg.rollout)
+    _say(dist.get_rank(), f"weight-sync probe: {baseline.tokens} tokens, baseline mean |d log p| "
+                          f"{baseline.mean_abs:.3g} on identical weights, limit {limit:.3g}")
+    return probe, limit
+
+
+def _sync_weights(cfg: TrainConfig, actor: Policy, rollout: Rollout, probe: tuple[ProbeBatch, float | None] | None,
+                  step: int) -> dict:
     """Push the actor's weights to the engines, then, at step 1 and every grpo.check_mismatch_every
-    steps, compare each engine's log-probs with the trainer's on the probe batch (every rank with
-    an engine checks its own: a failing rank raises)."""
+    steps, compare each engine's log-probs with the trainer's on the probe batch against the limit
+    the baseline set (every rank with an engine checks its own: a failing rank raises)."""
     metrics = rollout.push_weights(actor, step)
     every = cfg.grpo.check_mismatch_every
     if every and (step == 1 or step % every == 0):  # step 1: a wrong mapping shows at once
-        trainer_lp = _probe_logprobs(actor, probe)
+        batch, limit = probe
+        trainer_lp = _probe_logprobs(actor, batch)
         if rollout.engine is not None:
-            report = check_mismatch(rollout.engine, probe, trainer_lp,
-                                    cfg.rollout.probe_threshold(cfg.model.fp8 != "none"), f"step-{step}")
-            metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs}
+            report = check_mismatch(rollout.engine, batch, trainer_lp, limit, f"step-{step}")
+            metrics |= {"sync/probe_abs_diff_mean": report.mean_abs, "sync/probe_abs_diff_max": report.max_abs,
+                        "sync/probe_limit": limit}
     return metrics
 
 

@@ -6,6 +6,7 @@ every rank and never asks which rank it is.
     rows, metrics = rollout.collect(step)        # this replica's rows of batch ``step``
     sync = rollout.push_weights(actor, step)     # the engines serve the weights of ``step``
     evaluated = rollout.evaluate()               # metrics on rank 0, {} elsewhere
+    probe = rollout.probe_batch()                # the weight-sync probe, on every rank
 
 Where things run (docs/architecture.md):
 - the driver (driver.py: prompts, generation stream, rewards, advantages, evaluation): with SGLang
@@ -30,7 +31,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from megadiv.rollout import Bucket, make_engine, resolve_engine_name
+from megadiv.rollout import Bucket, ProbeBatch, make_engine, resolve_engine_name
 from megadiv.rollout.config import RolloutConfig
 from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.sglang_server import TrainerMemory, gather_trainer_memory
@@ -131,6 +132,15 @@ class Rollout:
         self._serve()
         self.handoff.wait(f"eval/{index}")
         return metrics
+
+    def probe_batch(self) -> ProbeBatch:
+        """The weight-sync probe, the same on every rank: held-out prompts and the engine's answers
+        on the weights it serves now (RolloutDriver.probe)."""
+        if self.driver:
+            self.driver.probe()
+        self._serve()
+        prompts, responses = from_torch_bytes(self.handoff.wait("probe"))
+        return ProbeBatch(prompts, responses)
 
     def _serve(self) -> None:
         if self._worker is not None:

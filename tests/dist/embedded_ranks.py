@@ -24,8 +24,9 @@ from megadiv.parallel import initialize, shutdown
 from megadiv.policy.batches import SequenceBatch
 from megadiv.policy.megatron import Policy
 from megadiv.policy.objectives import grpo_objective
-from megadiv.rollout import ProbeBatch, RolloutConfig, RolloutError, SamplingParams, check_mismatch
+from megadiv.rollout import ProbeBatch, RolloutError, SamplingParams, check_mismatch
 from megadiv.rollout.embedded import EmbeddedEngine, RankSplitEngine, draw_seed
+from tests.test_rollout import random_probe
 
 PROMPTS = [[5, 17, 33, 8], [40, 41], [9, 60, 61, 62, 63, 64, 70], [3, 3, 3], [77, 12, 6, 1, 90]]  # 3 + 2 over ranks
 PARAMS = SamplingParams(n=3, temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=6)
@@ -101,7 +102,7 @@ def _split_checks(local: EmbeddedEngine, group, rank: int, out: dict, key: str) 
 def engines_on_every_rank(ctx):
     hf_dir = ctx.args["hf_dir"]
     out = {}
-    probe = ProbeBatch.random(100, RolloutConfig(), seed=3)
+    probe = random_probe(seed=3)
 
     # ---- TP=1 x DP=2: shared vs copied engine, then generation split over the ranks
     parallel = ParallelConfig(tensor_parallel=1)

@@ -43,15 +43,16 @@ def sync_to_sglang(ctx):
     from megadiv.config import ParallelConfig
     from megadiv.models import build_model, iter_hf_weight_buckets
     from megadiv.parallel import initialize
-    from megadiv.rollout import ProbeBatch, RolloutConfig, SamplingParams, check_mismatch
+    from megadiv.rollout import RolloutConfig, SamplingParams, check_mismatch
     from megadiv.rollout.sglang_engine import SGLangEngine
+    from tests.test_rollout import random_probe
 
     hf_dir, url = ctx.args["hf_dir"], ctx.args["url"]
     info = initialize(ParallelConfig(tensor_parallel=2), seed=0)
     model = build_model(hf_dir, "actor")
     cfg = RolloutConfig(engine="sglang", server_urls=(url,), bucket_bytes=ctx.args["bucket_bytes"],
-                        sync_timeout_s=120, request_timeout_s=120, mismatch_threshold=1e-4)
-    probe = ProbeBatch.random(model.vocab_size, cfg, seed=0)
+                        sync_timeout_s=120, request_timeout_s=120)
+    probe = random_probe(seed=0)
     engine = SGLangEngine(hf_dir, cfg) if info.rank == 0 else None
     figures = {"tp_size": info.tp_size}
 
@@ -67,7 +68,7 @@ def sync_to_sglang(ctx):
         version = f"step-{step}"
         stale = check_mismatch(engine, probe, actor, float("inf"), version)  # before the push: old weights
         report = engine.update_weights(buckets, version)
-        fresh = check_mismatch(engine, probe, actor, cfg.mismatch_threshold, version)
+        fresh = check_mismatch(engine, probe, actor, 1e-4, version)
         figures[method] = {"before_max": stale.max_abs, "after_max": fresh.max_abs, "after_mean": fresh.mean_abs,
                            "buckets": report.num_buckets, "tensors": report.num_tensors, "bytes": report.bytes,
                            "version": engine.weight_version}
