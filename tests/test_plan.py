@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megadiv.models.families import arch_from_hf_config
 from megadiv.models.hf_config import load_hf_config
@@ -233,3 +234,26 @@ def test_plan_errors_name_the_problem(capsys, tmp_path):
     assert rc == 2 and "missing.json" in err
     rc, _, err = plan_cli(capsys, *args[:-6], "--nodes", "1", "--gpus-per-node", "12", "--gpu-memory-gib", "80")
     assert rc == 2 and "world size 12" in err
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (GSM8K / "models").glob("*.yaml")))
+def test_every_gpu_of_node_0_generates_in_the_colocated_recipes(capsys, model):
+    """Launched servers take node 0's GPUs between training phases: the recipes launch enough of
+    them (rollout.num_servers x server_tp = 8) that none of those GPUs sits idle while the fleet
+    generates, and the plan prints them with the memory each GPU gives them."""
+    text = (GSM8K / "models" / f"{model}.yaml").read_text()
+    hf_config = HF_CONFIGS / Path(yaml.safe_load(text)["model"]["hf_dir"]).name / "config.json"
+    args = [str(GSM8K / "task.yaml"), str(GSM8K / "models" / f"{model}.yaml"), str(GSM8K / "algorithms" / "grpo.yaml"),
+            "--hf-config", str(hf_config), "--nodes", "16" if "235b" in model else "2", "--gpus-per-node", "8",
+            "--gpu-memory-gib", "80"]
+    rc, out, err = plan_cli(capsys, *args, "--json")
+    assert rc == 0, err
+    servers = json.loads(out)["launched_servers"]
+    if "server_urls" in text:
+        assert servers is None
+        return
+    assert servers["gpus"] == 8 and servers["idle_gpus"] == 0, servers
+    rc, out, _ = plan_cli(capsys, *args)
+    assert f"generation: {servers['count']} SGLang server(s) of TP={servers['tp']} on GPUs 0-7 of node 0" in out
+    rc, _, err = plan_cli(capsys, *args, f"rollout.num_servers={servers['count'] + 1}")
+    assert rc == 2 and f"needs {8 + servers['tp']} GPUs on node 0, which has 8" in err

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         with hf_config_stand_in(args) as (note, _):
             cfg = load_train_config(args, world)
             arch = arch_from_hf_config(load_hf_config(cfg.model.hf_dir))
+            servers = launched_servers(cfg, args.gpus_per_node)
     except (ConfigError, OSError, ValueError) as e:
         print(f"megadiv: invalid config: {e}", file=sys.stderr)
         return 2
@@ -78,10 +79,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(configured.as_dict() | {
             "nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory_gib": args.gpu_memory_gib,
-            "seq_len": args.prompt_tokens + cfg.rollout.max_new_tokens,
+            "seq_len": args.prompt_tokens + cfg.rollout.max_new_tokens, "launched_servers": servers,
             "smallest_fitting_layout": smallest.as_dict()["layout"] if smallest else None}, indent=2))
     else:
         print(table(configured, args, cfg))
+        if servers:
+            print(f"generation: {servers['count']} SGLang server(s) of TP={servers['tp']} on GPUs "
+                  f"0-{servers['gpus'] - 1} of node 0, each GPU giving it {cfg.rollout.mem_fraction_static:g} of its "
+                  f"memory (colocated_server)" + (f"; {servers['idle_gpus']} GPUs of node 0 generate nothing: "
+                                                  f"rollout.num_servers={args.gpus_per_node // servers['tp']} uses "
+                                                  f"them all" if servers["idle_gpus"] else ""))
         searched = "TP x PP x EP (ETP)" if arch.is_moe else "TP x PP"
         print(f"smallest {searched} that fits on {world} GPUs of {args.gpu_memory_gib:g} GiB: "
               + (f"{smallest.layout} ({smallest.worst.total / GiB:.1f} GiB per GPU)" if smallest else "none"))
@@ -125,6 +132,21 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         rank0_queued_buckets=QUEUE_DEPTH + 1 if servers > 1 and not broadcasts else 0,
         rank0_communicators=int(broadcasts),
         batch_host_bytes=batch_host_bytes, host_bytes_per_rank=host_bytes_per_rank)
+
+
+def launched_servers(cfg: TrainConfig, gpus_per_node: int) -> dict | None:
+    """The SGLang servers rank 0 launches beside the trainer on node 0 (sglang_server.place_server:
+    server i on GPUs [i x tp, (i+1) x tp) when the trainer's ranks fill the node), or None. Between
+    training phases the trainer leaves those GPUs to generation, so every GPU of node 0 should
+    carry a server. Raises ConfigError when they need more GPUs than the node has."""
+    r = cfg.rollout
+    if r.engine == "embedded" or r.server_urls:
+        return None
+    gpus = r.num_servers * r.server_tp
+    if gpus > gpus_per_node:
+        raise ConfigError(f"rollout.num_servers={r.num_servers} x rollout.server_tp={r.server_tp} needs {gpus} GPUs "
+                          f"on node 0, which has {gpus_per_node}")
+    return {"count": r.num_servers, "tp": r.server_tp, "gpus": gpus, "idle_gpus": gpus_per_node - gpus}
 
 
 def _broadcasts(sync_method: str, colocated: bool) -> bool:
