@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -268,3 +269,37 @@ def test_constraint_check_names_each_conflict(tmp_path):
     ok = run([sys.executable, str(REPO / "docker" / "check_constraints.py"), str(reqs), str(tmp_path / "absent.txt")],
              capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_the_build_checks_that_the_images_nccl_defines_what_torch_calls(tmp_path):
+    """The SGLang venv binds torch 2.14.1's NCCL calls to the image's (older) NCCL, lazily: the build
+    lists each torch library's undefined nccl* symbols and fails, naming them and what to do, when
+    the image's library lacks one. Shown on two real shared objects built here: a 'torch' that calls
+    ncclCommInitRankConfig and ncclCommShrink, and 'NCCL's' with and without the second."""
+    from subprocess import run
+
+    if shutil.which("cc") is None or shutil.which("nm") is None:
+        pytest.skip("needs a C compiler and nm (binutils)")
+
+    def shared_object(name: str, source: str) -> Path:
+        (tmp_path / f"{name}.c").write_text(source)
+        out = tmp_path / f"lib{name}.so"
+        run(["cc", "-shared", "-fPIC", "-o", str(out), str(tmp_path / f"{name}.c")], check=True, timeout=120)
+        return out
+
+    torch_lib = shared_object("torchcuda", "int ncclCommInitRankConfig(void); int ncclCommShrink(void); int puts(const char*);\n"
+                                           "int f(void) { puts(\"x\"); return ncclCommInitRankConfig() + ncclCommShrink(); }\n")
+    older = shared_object("nccl228", "int ncclCommInitRankConfig(void) { return 0; }\n")
+    newer = shared_object("nccl230", "int ncclCommInitRankConfig(void) { return 0; }\nint ncclCommShrink(void) { return 1; }\n")
+    check = [sys.executable, str(REPO / "docker" / "check_nccl_symbols.py")]
+    proc = run([*check, str(older), str(torch_lib)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{torch_lib} needs ncclCommShrink." in proc.stderr and "ncclCommInitRankConfig" not in proc.stderr
+    assert "puts" not in proc.stderr and "rollout.sync_method tensor or disk" in proc.stderr
+    ok = run([*check, str(newer), str(torch_lib)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    # the build runs it on every library of the SGLang venv's torch, after the preload; apex is optional
+    text = DOCKERFILE.read_text()
+    assert 'python docker/check_nccl_symbols.py "$NCCL_LIB" $(/opt/sglang/bin/python' in text
+    assert text.index("megadiv_image_nccl.pth") < text.index("check_nccl_symbols.py \"$NCCL_LIB\"")
+    assert "docker/check_nccl_symbols.py ./docker/" in text and "import apex" not in text
