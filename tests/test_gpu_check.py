@@ -120,6 +120,49 @@ def test_carried_wheels_install_only_on_a_cuda_machine(tmp_path):
     assert broken["status"] == "failed" and broken["reason"].startswith("pip install exited with")
 
 
+class FakeSyncWatcher:
+    """torch's sync-debug mode as the no_host_sync item queries it, on a CPU: in 'error' mode a
+    host synchronisation (here: Tensor.item) raises the RuntimeError CUDA raises. ``catches=False``:
+    a watcher that is never on."""
+
+    def __init__(self, monkeypatch, catches: bool = True):
+        self.mode, self.catches = 0, catches
+        item = torch.Tensor.item
+
+        def watched_item(tensor):
+            if self.mode == "error" and self.catches:
+                raise RuntimeError("called a synchronizing CUDA operation\n(traceback)")
+            return item(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "item", watched_item)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: setattr(self, "mode", mode))
+
+
+def test_no_host_sync_judges_the_control_and_the_checks(monkeypatch):
+    """The item's pass/fail logic on a CPU with a faked sync watcher: the planted .item() raising
+    is the control passing (it once stored `not <error text>`, False, and failed on every GPU); a
+    watcher that catches nothing fails the control; a check that synchronises fails by name."""
+    FakeSyncWatcher(monkeypatch)
+    ok = gpu_check.no_host_sync(torch.device("cpu"), 2, 8, 64)
+    assert "status" not in ok, ok                     # passed
+    assert ok["figures"]["verdict"] == "no host synchronisation"
+    assert ok["figures"]["checks"][gpu_check.CONTROL] is True and len(ok["figures"]["checks"]) == 6
+    assert all(v is True for v in ok["figures"]["checks"].values())
+
+    checks = gpu_check.sync_checks
+    monkeypatch.setattr(gpu_check, "sync_checks", lambda *a: checks(*a) | {"planted": lambda: torch.ones(2).sum().item()})
+    bad = gpu_check.no_host_sync(torch.device("cpu"), 2, 8, 64)
+    assert bad["status"] == "failed" and bad["reason"] == "planted: called a synchronizing CUDA operation"
+    assert bad["figures"]["checks"][gpu_check.CONTROL] is True
+
+    monkeypatch.setattr(gpu_check, "sync_checks", checks)
+    FakeSyncWatcher(monkeypatch, catches=False)
+    off = gpu_check.no_host_sync(torch.device("cpu"), 2, 8, 64)
+    assert off["status"] == "failed" and off["reason"].startswith(f"{gpu_check.CONTROL}: not caught")
+    assert off["figures"]["verdict"] == "host synchronisation found"
+
+
 def test_no_host_sync_checks_run_and_give_gradients_on_cpu():
     """The passes the no_host_sync item watches on a GPU, here on a CPU (the sync watcher is
     CUDA-only): each runs and fills a finite, non-zero gradient of the logits."""
