@@ -64,11 +64,74 @@ def test_cpu_run_reports_every_gpu_item_skipped_with_its_reason(tmp_path):
 
 
 def test_item_budgets_fit_the_run():
-    """The device call is planned around 360 s (with start-up, a retry fits a 15-minute allowance):
-    the items' budgets, the install and 5 s for the report fit in it."""
-    total = sum(item.budget_s for item in gpu_check.ITEMS) + gpu_check.INSTALL_BUDGET_S
-    assert total + 5 <= gpu_check.DEFAULT_BUDGET_S == 360, total
+    """The device call runs at most 600 s: the run's 540 s hold the items' budgets, the install,
+    compileall and 5 s for the report; the gpu test modules' budgets fit in gpu_tests', and every
+    module that holds a gpu-marked test has one of its own."""
+    total = sum(item.budget_s for item in gpu_check.ITEMS) + gpu_check.INSTALL_BUDGET_S + gpu_check.PRECOMPILE_BUDGET_S
+    assert total + 5 <= gpu_check.DEFAULT_BUDGET_S == 540, total
     assert [i.name for i in gpu_check.ITEMS] == list(gpu_check.RUNNERS)
+    modules = gpu_check.gpu_test_modules()
+    assert "tests/test_policy_gpu.py" in modules and "tests/test_gpu_check.py" not in modules
+    assert sorted(gpu_check.GPU_TEST_BUDGETS) == modules
+    gpu_tests = next(i for i in gpu_check.ITEMS if i.name == "gpu_tests")
+    assert sum(gpu_check.GPU_TEST_BUDGETS.values()) <= gpu_tests.budget_s
+
+
+HANGING_MODULE = """
+import time
+import pytest
+pytestmark = pytest.mark.gpu
+def test_passes():
+    pass
+def test_skips():
+    pytest.skip("no such device here")
+def test_fails():
+    assert 1 == 2
+def test_hangs():
+    time.sleep(600)
+def test_never_reached():
+    pass
+"""
+
+
+def test_a_test_module_cut_at_its_budget_reports_the_tests_that_finished(tmp_path, monkeypatch):
+    """gpu_tests runs each module under its own budget: a module that hangs is cut and still
+    reports what finished before (outcomes written per test), a module with no time left is
+    listed as not run, and the counts so far are in partial.json for the orchestrator."""
+    hanging, later = tmp_path / "test_hanging.py", tmp_path / "test_later.py"
+    hanging.write_text(HANGING_MODULE)
+    later.write_text("def test_x():\n    pass\n")
+    monkeypatch.setattr(gpu_check, "gpu_test_modules", lambda: [str(hanging), str(later)])
+    monkeypatch.setattr(gpu_check, "GPU_TEST_BUDGETS", {str(hanging): 25, str(later): 25})
+    work = tmp_path / "work"
+    work.mkdir()
+    # 26 s: the hanging module is cut at 26 - 2 = 24 s, which leaves the next one < 3 s: not run
+    out = gpu_check.item_gpu_tests(work, smoke=False, deadline=time.time() + 26)
+    modules = out["figures"]["modules"]
+    cut = modules[str(hanging)]
+    assert cut["cut"] is True and cut["exit_code"] < 0          # killed
+    assert (cut["passed"], cut["failed"], cut["skipped"], cut["errors"]) == (1, 1, 1, 0)
+    assert cut["skip_reasons"] == {"no such device here": 1}
+    assert len(cut["failures"]) == 1 and cut["failures"][0].startswith(f"{hanging.name}::test_fails (call): ")
+    assert "assert 1 == 2" in cut["failures"][0]
+    assert modules[str(later)] == {"status": "not run: no time left in the item's budget", "budget_s": 25}
+    assert out["status"] == "failed"
+    assert out["reason"] == f"1 failed, 0 errors; cut at their budget or not run: {hanging}, {later}"
+    assert (out["figures"]["passed"], out["figures"]["failed"], out["figures"]["skipped"]) == (1, 1, 1)
+    partial = json.loads((work / "partial.json").read_text())
+    assert partial["figures"]["modules"][str(hanging)] == cut
+
+
+def test_an_item_cut_or_crashed_reports_its_partial_results(tmp_path):
+    """What the orchestrator reports for an item from its exit code and work folder."""
+    assert gpu_check.item_outcome(124, 30, tmp_path) == {"status": "failed", "reason": "timed out after 30 s (its budget)"}
+    gpu_check.write_partial(tmp_path, {"figures": {"bytes": 5}, "samples": {"s": [1.0]}})
+    assert gpu_check.item_outcome(124, 30, tmp_path) == {
+        "status": "failed", "reason": "timed out after 30 s (its budget)", "figures": {"bytes": 5},
+        "samples": {"s": [1.0]}, "partial": True}
+    assert gpu_check.item_outcome(1, 30, tmp_path)["partial"] is True            # an exception after it
+    (tmp_path / "result.json").write_text(json.dumps({"figures": {"bytes": 9}}))
+    assert gpu_check.item_outcome(0, 30, tmp_path) == {"status": "passed", "figures": {"bytes": 9}}
 
 
 def test_arguments_are_checked_before_anything_runs(tmp_path, capsys):
@@ -91,11 +154,11 @@ def test_only_runs_the_named_items(tmp_path):
 
 
 def test_a_failing_and_a_hanging_item_leave_the_others_and_the_report(tmp_path, monkeypatch, capsys):
-    # transformer_engine without TE raises ModuleNotFoundError in its child; gpu_tests cannot even
-    # start pytest in 1 s; gpt_step_mfu is skipped (a stand-in package is missing); no_host_sync
+    # transformer_engine without TE raises ModuleNotFoundError in its child; padding_invariance
+    # cannot even import megatron in 1 s; gpt_step_mfu is skipped (a stand-in package is missing); no_host_sync
     # still runs in what is left of the budget (and fails without CUDA), or is skipped for time.
     monkeypatch.setattr(gpu_check, "ITEMS", [
-        gpu_check.Item("transformer_engine", 60, ()), gpu_check.Item("gpu_tests", 1, ()),
+        gpu_check.Item("transformer_engine", 60, ()), gpu_check.Item("padding_invariance", 1, ()),
         gpu_check.Item("gpt_step_mfu", 20, ("megatron_missing",)), gpu_check.Item("no_host_sync", 1000, ())])
     monkeypatch.setitem(gpu_check.NOT_CARRIED, "megatron_missing", "not carried: stand-in")
     assert gpu_check.run_all(tmp_path, None, budget_s=120, smoke=False) == 1
@@ -103,12 +166,31 @@ def test_a_failing_and_a_hanging_item_leave_the_others_and_the_report(tmp_path, 
     assert items["transformer_engine"]["status"] == "failed"
     assert "exited with 1" in items["transformer_engine"]["reason"]
     assert "transformer_engine" in items["transformer_engine"]["log_tail"]        # the traceback
-    assert items["gpu_tests"]["status"] == "failed" and items["gpu_tests"]["reason"] == "timed out after 1 s (its budget)"
+    cut = items["padding_invariance"]
+    assert cut["status"] == "failed" and cut["reason"] == "timed out after 1 s (its budget)" and "partial" not in cut
     assert items["gpt_step_mfu"] == {"status": "skipped", "reason": "not carried: stand-in", "figures": {},
                                      "samples": {}, "wall_s": items["gpt_step_mfu"]["wall_s"], "budget_s": 20}
     assert items["no_host_sync"]["status"] in ("failed", "skipped")   # ran in what was left, or no time left
     assert items["no_host_sync"]["budget_s"] == 1000
     assert "[gpu_check] report:" in capsys.readouterr().out
+
+
+@needs_no_cuda
+def test_a_run_with_a_tiny_budget_reports_the_cut_items_partial_counts(tmp_path, monkeypatch):
+    """The real gpu_tests item (every gpu test skips here) with 8 s for six test modules: it is
+    cut, and the report still lists each module with its counts, or as cut or not run."""
+    monkeypatch.setattr(gpu_check, "ITEMS", [gpu_check.Item("gpu_tests", 8, ())])
+    assert gpu_check.run_all(tmp_path, None, budget_s=120, smoke=False) == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    item = report["items"]["gpu_tests"]
+    assert item["status"] == "failed" and "cut at their budget or not run" in item["reason"], item
+    modules = item["figures"]["modules"]
+    assert list(modules) == gpu_check.gpu_test_modules()
+    assert any(m.get("cut") or m.get("status", "").startswith("not run") for m in modules.values())
+    for m in modules.values():
+        assert m.get("status", "").startswith("not run") or {"passed", "skipped", "cut", "wall_s"} <= set(m), m
+    assert item["figures"]["passed"] == item["figures"]["failed"] == 0
+    assert report["precompile"]["status"] == "passed"
 
 
 def test_carried_wheels_install_only_on_a_cuda_machine(tmp_path):

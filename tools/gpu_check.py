@@ -48,6 +48,7 @@ did, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import datetime
 import importlib.metadata
@@ -177,9 +178,13 @@ DEFAULT_MODULE_BUDGET_S = 15
 
 
 def gpu_test_modules() -> list[str]:
-    """The test modules that hold a gpu-marked test, found by their text: collecting all of tests/
-    to select them (``pytest -m gpu``) imports some eighty modules first."""
-    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    """The test modules that use the ``gpu`` mark (``pytest.mark.gpu`` anywhere in their code, not
+    in a string), found by parsing them: collecting all of tests/ to select them (``pytest -m
+    gpu``) imports some eighty modules first."""
+    def marks_gpu(path: Path) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr == "gpu" and isinstance(n.value, ast.Attribute)
+                   and n.value.attr == "mark" for n in ast.walk(ast.parse(path.read_text())))
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if marks_gpu(p))
 
 
 def item_gpu_tests(work: Path, smoke: bool, deadline: float) -> dict:

@@ -47,8 +47,11 @@ class OutcomeWriter:
 
 
 def _message(report) -> str:
-    """A skip's reason, or the last line of a failure (the exception)."""
+    """A skip's reason, or a failure's exception (its message; else the report's last line)."""
     if report.skipped and isinstance(report.longrepr, tuple):
         return report.longrepr[2].removeprefix("Skipped: ")[:300]
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return crash.message[:300]
     lines = report.longreprtext.strip().splitlines()
     return lines[-1][:300] if lines else ""
