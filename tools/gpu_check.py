@@ -3,22 +3,36 @@
     bash tools/gpu_check.sh OUT_DIR [--only ITEM,ITEM] [--budget SECONDS] [--smoke]
 
 First the wheels carried in ``.whl/`` (tools/gpu_wheels.sh) are installed into a target folder
-that every item's PYTHONPATH starts with; then each item runs in its own process (new session,
-under coreutils ``timeout`` with its own budget, the whole group killed afterwards), so that an
-item that fails, hangs or crashes never stops the others or the report. Budgets sum to less than
-the run's budget (default 360 s: with a machine's start-up, an immediate retry still fits a
-15-minute device allowance), and an item never gets more than what is left of it.
+that every item's PYTHONPATH starts with, and the working tree and those wheels are byte-compiled
+(compileall, all cores) so that no item compiles them again; then each item runs in its own
+process (new session, under coreutils ``timeout`` with its own budget, the whole group killed
+afterwards), so that an item that fails, hangs or crashes never stops the others or the report.
+Budgets sum to less than the run's budget (default 540 s: a device call runs at most 600 s), and
+an item never gets more than what is left of it. An item writes what it has measured so far as
+it goes (``write_partial``): an item cut at its budget, or failing half-way, reports those
+figures, marked ``partial``.
 
-Items (docs/performance.md, "GPU verification", says what each measures):
-  gpu_tests          pytest -m gpu: passed / failed / skipped counts, failures, skip reasons
+Items (docs/performance.md, "GPU verification", says what each measures and its tolerance):
+  gpu_tests          pytest -m gpu, one process per test module under the module's own budget
+                     (GPU_TEST_BUDGETS), outcomes written per test: counts per module and in all,
+                     failures, skip reasons; a module cut at its budget reports the tests that finished
   divergence_bench   benchmarks/bench_divergence.py --device cuda at 16,384 tokens x 151,936
                      vocabulary, bf16, TP=1: megadiv log-prob + entropy + k3-clip and full-vocab
                      ProbL2 against megatron-core's vocab_parallel_cross_entropy (CUDA events,
                      warm-up excluded, medians, raw samples, peak memory)
+  vocab_parallel_trainer
+                     the same at the trainer's shapes: float32 logits, 4,608 x 37,984
   no_host_sync       torch.cuda.set_sync_debug_mode("error") around the divergence library's
                      forward + backward passes (with a planted .item() that must be caught)
   gpt_step_mfu       megatron-core GPTModel (megadiv's builder, local spec), bf16, ~1.1B
                      parameters: training step time and MFU = 6 N tokens / time / 989 TFLOP/s
+  actor_train_step   megadiv's Policy.train_step at the same shape and tokens: tokens/s, MFU, and
+                     its peak memory against megadiv plan's figure
+  weight_sync_rates  weight export (Policy.export_buckets) GB/s and CUDA-IPC hand-off GB/s
+  async_checkpoint   the trainer's async checkpoint save: blocking and total seconds, a training
+                     step during the write, a bit-exact reload
+  bf16_probe         the post-sync probe's mean |delta log p|, embedded engine vs trainer at the
+                     same bf16 weights, on real text and on random tokens
   grpo_demo          3 GRPO steps of the tiny demo (examples/tiny/grpo.yaml, TP=1) on the GPU
                      with the embedded engine, through ``megadiv train``
   deepspeed_bf16     the DeepSpeed policy in bf16 at ZeRO-0, 1 and 3, three Adam steps each of
@@ -32,14 +46,16 @@ Without CUDA every GPU item is ``skipped`` with its reason. ``--smoke`` runs the
 shapes on whatever device there is (a CPU too, except no_host_sync), to test this script's own
 code; its figures mean nothing.
 
-Report ``OUT_DIR/gpu_check.json`` (schema 2)::
+Report ``OUT_DIR/gpu_check.json`` (schema 3)::
 
-    {"schema": 2, "started": ISO time, "wall_s": s, "budget_s": s, "smoke": bool,
+    {"schema": 3, "started": ISO time, "wall_s": s, "budget_s": s, "smoke": bool,
      "environment": {python, torch, cuda, gpu, packages, ...},
      "wheels": {"status": ..., "reason": ..., "figures": {wheels, target, bytes}},
+     "precompile": {"status": ..., "figures": {paths, wall_s}},
      "unverified": [{"feature": str, "why": str}, ...]   # GPU paths this run cannot reach
      "items": {NAME: {"status": "passed" | "failed" | "skipped", "reason": str | null,
                       "figures": {...}, "samples": {...}, "wall_s": s, "budget_s": s,
+                      "partial": true (a cut or failed item's figures so far),
                       "log_tail": str (failed items only)}}}
 
 and ``OUT_DIR/gpu_check.log`` (every item's output). Exit code: 0 when no item failed, 1 when one
@@ -203,7 +219,7 @@ def item_gpu_tests(work: Path, smoke: bool, deadline: float) -> dict:
         # no per-test timeout: the module's budget cuts it, and the tests that finished are reported
         cmd = [sys.executable, "-m", "pytest", module, "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider",
                "-p", "pytest_outcomes", f"--outcomes={outcomes}"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tools"), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(REPO / "tools"), os.environ.get("PYTHONPATH")] if p))
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)
         try:
@@ -758,22 +774,38 @@ def item_grpo_demo(work: Path, smoke: bool, deadline: float) -> dict:
                       "grpo.prompts_per_step": 4, "grpo.micro_batch_size": 16, "eval.samples": 0,
                       "eval.data.arithmetic_test_size": 8}
     start = time.perf_counter()
-    rc = subprocess.call([sys.executable, "-m", "megadiv.cli", "train", "examples/tiny/grpo.yaml",
-                          *(f"{k}={v}" for k, v in overrides.items())], cwd=REPO)
-    wall = time.perf_counter() - start
     run_dir = runs / "tiny-grpo"
-    if rc:
-        return {"status": "failed", "reason": f"megadiv train exited with {rc}"}
+    proc = subprocess.Popen([sys.executable, "-m", "megadiv.cli", "train", "examples/tiny/grpo.yaml",
+                             *(f"{k}={v}" for k, v in overrides.items())], cwd=REPO)
+    while proc.poll() is None:      # the steps so far, for the report should the budget cut the run
+        time.sleep(2)
+        samples = _demo_samples(run_dir)
+        write_partial(work, {"figures": {"steps_so_far": len(samples.get("reward/mean", [])),
+                                         "wall_s_so_far": time.perf_counter() - start}, "samples": samples})
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        return {"status": "failed", "reason": f"megadiv train exited with {proc.returncode}"}
     summary_json = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [s for s in steps if any(k.startswith("time/") for k in s)]
     figures = {"steps": summary_json["steps"], "skipped_steps": summary_json["skipped_steps"],
                "accuracy_before": summary_json["accuracy_before"], "accuracy_after": summary_json["accuracy_after"],
                "wall_s_including_warm_start": wall, "device": device().type}
-    samples = {key: [s.get(key) for s in steps] for key in sorted({k for s in steps for k in s
-                                                                   if k.startswith("time/")})}
-    samples |= {key: [s.get(key) for s in steps] for key in ("reward/mean", "loss/total", "sync/probe_abs_diff_max")}
-    return {"figures": figures, "samples": samples}
+    return {"figures": figures, "samples": _demo_samples(run_dir)}
+
+
+def _demo_samples(run_dir: Path) -> dict:
+    """Per GRPO step of the demo's metrics.jsonl: phase times, reward, loss, probe difference."""
+    path = run_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:    # the line being written while the run goes on
+            continue
+        if any(k.startswith("time/") for k in record):
+            steps.append(record)
+    keys = sorted({k for s in steps for k in s if k.startswith("time/")})
+    keys += ["reward/mean", "loss/total", "sync/probe_abs_diff_max"]
+    return {key: [s.get(key) for s in steps] for key in keys} if steps else {}
 
 
 def _tiny_model(work: Path) -> str:
@@ -800,9 +832,10 @@ def item_deepspeed_bf16(work: Path, smoke: bool, deadline: float) -> dict:
     and how far ZeRO-3 lies from ZeRO-0. Every stage keeps fp32 master weights (ZeRO-0 in
     DeepSpeed's FP16_UnfusedOptimizer); ZeRO-0 keeps bf16 gradients, as DeepSpeed refuses fp32
     accumulation there (docs/deepspeed.md), so after the first step they part."""
-    res = _rank_body(work, "tests.dist.deepspeed_policy:bf16_stages", {"hf_dir": _tiny_model(work)})
-    figures, problems = {}, []
-    for stage, run in res.items():
+    hf_dir, res, figures, problems = _tiny_model(work), {}, {}, []
+    for stage in (0, 1, 3):     # a launch per stage: an item cut at its budget reports the stages done
+        res |= _rank_body(work, "tests.dist.deepspeed_policy:bf16_stages", {"hf_dir": hf_dir, "stages": (stage,)})
+        run = res[stage]
         steps = run["steps"]
         figures[f"zero{stage}"] = {"device": run["device"], "dtypes": run["dtypes"], "wall_s": run["wall_s"],
                                    "loss": [s["loss/total"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
@@ -814,6 +847,7 @@ def item_deepspeed_bf16(work: Path, smoke: bool, deadline: float) -> dict:
             problems.append(f"ZeRO-{stage}: weights {run['dtypes']} on {run['device']}")
         if any(s["skipped"] or s["loss/total"] != s["loss/total"] or s["grad_norm"] != s["grad_norm"] for s in steps):
             problems.append(f"ZeRO-{stage}: a step was skipped or not finite")
+        write_partial(work, {"figures": figures})
     zero0, zero3 = res[0], res[3]
     figures["first_step_loss_zero3_minus_zero0"] = zero3["steps"][0]["loss/total"] - zero0["steps"][0]["loss/total"]
     figures["weights_max_abs_diff_zero3_vs_zero0"] = max(float((w - zero0["weights"][k]).abs().max())
