@@ -245,6 +245,41 @@ def test_no_host_sync_judges_the_control_and_the_checks(monkeypatch):
     assert off["figures"]["verdict"] == "host synchronisation found"
 
 
+class _CudaTensorStandIn:
+    """Pickles as serialize_bucket pickles a CUDA tensor: torch's rebuild_cuda_tensor with the GPU's
+    UUID in the device argument."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def __reduce__(self):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor, self.args
+
+
+def test_open_bucket_maps_the_uuid_in_a_payload_to_this_processs_device(monkeypatch):
+    """weight_sync_rates' receiver opens serialize_bucket's payloads without sglang: the GPU's UUID
+    in the device argument becomes this process's index of that GPU (faked device query here: two
+    GPUs, the payload's the second), every other argument passed on as it came."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing.reductions as reductions
+
+    from megadiv.rollout import weight_sync
+
+    args = tuple(f"arg{i}" for i in range(weight_sync._DEVICE_ARG)) + ("GPU-bbbb", "handle", "offset")
+    payload = base64.b64encode(pickle.dumps([("w", _CudaTensorStandIn(args))])).decode()
+    opened = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: opened.append(a) or "tensor")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(weight_sync, "device_uuid", lambda i: ["GPU-aaaa", "GPU-bbbb"][i])
+    assert gpu_check.open_bucket(payload) == [("w", "tensor")]
+    assert opened == [args[:weight_sync._DEVICE_ARG] + (1, "handle", "offset")]
+    assert reductions.rebuild_cuda_tensor.__name__ == "<lambda>"      # restored: the patch is scoped
+
+
 def test_no_host_sync_checks_run_and_give_gradients_on_cpu():
     """The passes the no_host_sync item watches on a GPU, here on a CPU (the sync watcher is
     CUDA-only): each runs and fills a finite, non-zero gradient of the logits."""
@@ -312,7 +347,8 @@ def test_smoke_runs_every_items_code_on_cpu(tmp_path):
     assert "peak_bytes" not in actor                   # the CUDA allocator's figure
     sync = items["weight_sync_rates"]["figures"]
     assert sync["bytes"] == 2 * actor["parameters"]    # every bf16 parameter exported once
-    assert sync["buckets"] > 1 and sync["export_gb_per_s"] > 0 and sync["handoff_gb_per_s"] > 0
+    assert sync["buckets"] > 1 and sync["tensors"] > sync["buckets"]
+    assert sync["export_gb_per_s"] > 0 and sync["handoff_gb_per_s"] > 0
     ckpt = items["async_checkpoint"]["figures"]
     assert ckpt["bit_exact"] is True and ckpt["tensors_differing"] == 0 and ckpt["trainer_state"] == {"step": 1}
     assert 0 < ckpt["tensors_the_step_changed"] <= ckpt["tensors_compared"]

@@ -561,13 +561,14 @@ def item_actor_train_step(work: Path, smoke: bool, deadline: float) -> dict:
 
 
 def item_weight_sync_rates(work: Path, smoke: bool, deadline: float) -> dict:
-    """The two halves of a weight push at the 1.10B shape, bf16: export (Policy.export_buckets:
-    Hugging Face tensors in rollout.bucket_bytes buckets, GB/s) and the CUDA-IPC hand-off: each
-    bucket flattened as SGLang's flattened_bucket load format wants it (rollout/weight_sync.py)
-    and sent to another process as an IPC handle (torch's multiprocessing reductions, which
-    SGLang's update_weights_from_tensor opens), which copies it into memory of its own and
-    answers before the next is sent (GB/s of the whole model). On a CPU the tensors travel
-    through shared memory instead."""
+    """The two halves of a weight push to a server on the trainer's GPU (rollout.sync_method
+    tensor, what auto picks for a colocated server) at the 1.10B shape, bf16: export
+    (Policy.export_buckets: fresh Hugging Face tensors in rollout.bucket_bytes buckets, second
+    pass timed; GB/s) and the CUDA-IPC hand-off: each bucket as serialize_bucket sends it (an IPC
+    handle per tensor, the GPU named by its UUID) to another process, which opens it as SGLang's
+    update_weights_from_tensor does (open_bucket), copies every tensor into memory of its own and
+    answers before the next bucket is sent (GB/s of the whole model). serialize_bucket is
+    CUDA-only: on a CPU the buckets' tensors travel through shared memory instead."""
     import torch
     import torch.multiprocessing as mp
 
@@ -575,7 +576,7 @@ def item_weight_sync_rates(work: Path, smoke: bool, deadline: float) -> dict:
     from megadiv.config import ModelConfig, ParallelConfig
     from megadiv.policy.megatron import Policy
     from megadiv.rollout.config import RolloutConfig
-    from megadiv.rollout.weight_sync import flatten_bucket
+    from megadiv.rollout.weight_sync import serialize_bucket
 
     dev = parallel.initialize(ParallelConfig(), seed=1).device
     shape = GPT_SMOKE if smoke else GPT_1B
@@ -587,47 +588,75 @@ def item_weight_sync_rates(work: Path, smoke: bool, deadline: float) -> dict:
     for _ in range(2):                                  # the first pass warms up
         sync()
         start = time.perf_counter()
-        flats = [flatten_bucket(bucket)[0] for bucket in policy.export_buckets(bucket_bytes)]
+        buckets = list(policy.export_buckets(bucket_bytes))
         sync()
         exports.append(time.perf_counter() - start)
-    total = sum(f.numel() for f in flats)               # bytes: the flattened buckets are uint8
-    figures = {"bytes": total, "buckets": len(flats), "bucket_bytes": bucket_bytes, "device": dev.type,
-               "export_s": exports[-1], "export_gb_per_s": total / exports[-1] / 1e9}
+    sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in buckets]
+    figures = {"bytes": sum(sizes), "buckets": len(buckets), "tensors": sum(map(len, buckets)),
+               "bucket_bytes": bucket_bytes, "device": dev.type, "export_s": exports[-1],
+               "export_gb_per_s": sum(sizes) / exports[-1] / 1e9}
     write_partial(work, {"figures": figures})
+    send = serialize_bucket if dev.type == "cuda" else (lambda bucket: bucket)
     ctx = mp.get_context("spawn")
     inbox, answers = ctx.Queue(), ctx.Queue()
     receiver = ctx.Process(target=_handoff_receiver, args=(inbox, answers), daemon=True)
     receiver.start()
     try:
-        inbox.put(flats[0])                             # warm-up: the receiver's CUDA context, the first handle
+        inbox.put(send([("warm-up", torch.ones(1, device=dev))]))   # the receiver's CUDA context
         answers.get(timeout=120)
         start = time.perf_counter()
-        for flat in flats:
-            inbox.put(flat)
-            if answers.get(timeout=120) != flat.numel():
+        for bucket, size in zip(buckets, sizes):
+            inbox.put(send(bucket))
+            if answers.get(timeout=120) != size:
                 return {"status": "failed", "reason": "the receiver copied another size than sent", "figures": figures}
         handoff = time.perf_counter() - start
     finally:
         inbox.put(None)
         receiver.join(timeout=30)
-    figures |= {"handoff_s": handoff, "handoff_gb_per_s": total / handoff / 1e9,
-                "handoff": "CUDA-IPC handle per flattened bucket" if dev.type == "cuda" else "CPU shared memory"}
+    figures |= {"handoff_s": handoff, "handoff_gb_per_s": sum(sizes) / handoff / 1e9,
+                "handoff": "serialize_bucket: a CUDA-IPC handle per tensor" if dev.type == "cuda"
+                           else "CPU shared memory"}
     parallel.shutdown()
     return {"figures": figures}
 
 
 def _handoff_receiver(inbox, answers) -> None:
-    """The other side of the hand-off (a spawned process, as a server is one): open each tensor,
-    copy it into memory of its own, wait for the copy, answer with its size."""
+    """The server's side of the hand-off (a spawned process, as a server is one): open each
+    bucket, copy its tensors into memory of its own, wait for the copies, answer with the bytes."""
     import torch
 
-    while (flat := inbox.get()) is not None:
-        own = torch.empty_like(flat)
-        own.copy_(flat)
-        if own.is_cuda:
+    while (payload := inbox.get()) is not None:
+        bucket = open_bucket(payload) if isinstance(payload, str) else payload
+        own = [t.clone() for _, t in bucket]
+        if own[0].is_cuda:
             torch.cuda.synchronize()
-        answers.put(own.numel())
-        del flat                                        # release the handle before the next one
+        answers.put(sum(t.numel() * t.element_size() for t in own))
+        del bucket, own                                 # release the handles before the next bucket
+
+
+def open_bucket(payload: str) -> list:
+    """A serialize_bucket payload opened as SGLang 0.5.23's update_weights_from_tensor opens it
+    (no sglang here): unpickled with torch's rebuild_cuda_tensor taught to take a GPU's UUID for
+    its device index, which is what sglang/srt/utils/patch_torch.py patches in."""
+    import base64
+    import pickle
+
+    import torch
+    import torch.multiprocessing.reductions as reductions
+
+    from megadiv.rollout.weight_sync import _DEVICE_ARG, device_uuid
+
+    original = reductions.rebuild_cuda_tensor
+    index = {device_uuid(i): i for i in range(torch.cuda.device_count())}
+
+    def rebuild(*args):
+        return original(*args[:_DEVICE_ARG], index[args[_DEVICE_ARG]], *args[_DEVICE_ARG + 1:])
+
+    reductions.rebuild_cuda_tensor = rebuild            # the global the payload names
+    try:
+        return pickle.loads(base64.b64decode(payload))
+    finally:
+        reductions.rebuild_cuda_tensor = original
 
 
 # async_checkpoint's model: gpt_step_mfu's layers, 4 of 16 (0.34B parameters; weights, fp32 main
