@@ -64,11 +64,74 @@ def test_cpu_run_reports_every_gpu_item_skipped_with_its_reason(tmp_path):
 
 
 def test_item_budgets_fit_the_run():
-    """The device call is planned around 360 s (with start-up, a retry fits a 15-minute allowance):
-    the items' budgets, the install and 5 s for the report fit in it."""
-    total = sum(item.budget_s for item in gpu_check.ITEMS) + gpu_check.INSTALL_BUDGET_S
-    assert total + 5 <= gpu_check.DEFAULT_BUDGET_S == 360, total
+    """The device call runs at most 600 s: the run's 540 s hold the items' budgets, the install,
+    compileall and 5 s for the report; the gpu test modules' budgets fit in gpu_tests', and every
+    module that holds a gpu-marked test has one of its own."""
+    total = sum(item.budget_s for item in gpu_check.ITEMS) + gpu_check.INSTALL_BUDGET_S + gpu_check.PRECOMPILE_BUDGET_S
+    assert total + 5 <= gpu_check.DEFAULT_BUDGET_S == 540, total
     assert [i.name for i in gpu_check.ITEMS] == list(gpu_check.RUNNERS)
+    modules = gpu_check.gpu_test_modules()
+    assert "tests/test_policy_gpu.py" in modules and "tests/test_gpu_check.py" not in modules
+    assert sorted(gpu_check.GPU_TEST_BUDGETS) == modules
+    gpu_tests = next(i for i in gpu_check.ITEMS if i.name == "gpu_tests")
+    assert sum(gpu_check.GPU_TEST_BUDGETS.values()) <= gpu_tests.budget_s
+
+
+HANGING_MODULE = """
+import time
+import pytest
+pytestmark = pytest.mark.gpu
+def test_passes():
+    pass
+def test_skips():
+    pytest.skip("no such device here")
+def test_fails():
+    assert 1 == 2
+def test_hangs():
+    time.sleep(600)
+def test_never_reached():
+    pass
+"""
+
+
+def test_a_test_module_cut_at_its_budget_reports_the_tests_that_finished(tmp_path, monkeypatch):
+    """gpu_tests runs each module under its own budget: a module that hangs is cut and still
+    reports what finished before (outcomes written per test), a module with no time left is
+    listed as not run, and the counts so far are in partial.json for the orchestrator."""
+    hanging, later = tmp_path / "test_hanging.py", tmp_path / "test_later.py"
+    hanging.write_text(HANGING_MODULE)
+    later.write_text("def test_x():\n    pass\n")
+    monkeypatch.setattr(gpu_check, "gpu_test_modules", lambda: [str(hanging), str(later)])
+    monkeypatch.setattr(gpu_check, "GPU_TEST_BUDGETS", {str(hanging): 25, str(later): 25})
+    work = tmp_path / "work"
+    work.mkdir()
+    # 26 s: the hanging module is cut at 26 - 2 = 24 s, which leaves the next one < 3 s: not run
+    out = gpu_check.item_gpu_tests(work, smoke=False, deadline=time.time() + 26)
+    modules = out["figures"]["modules"]
+    cut = modules[str(hanging)]
+    assert cut["cut"] is True and cut["exit_code"] < 0          # killed
+    assert (cut["passed"], cut["failed"], cut["skipped"], cut["errors"]) == (1, 1, 1, 0)
+    assert cut["skip_reasons"] == {"no such device here": 1}
+    assert len(cut["failures"]) == 1 and cut["failures"][0].startswith(f"{hanging.name}::test_fails (call): ")
+    assert "assert 1 == 2" in cut["failures"][0]
+    assert modules[str(later)] == {"status": "not run: no time left in the item's budget", "budget_s": 25}
+    assert out["status"] == "failed"
+    assert out["reason"] == f"1 failed, 0 errors; cut at their budget or not run: {hanging}, {later}"
+    assert (out["figures"]["passed"], out["figures"]["failed"], out["figures"]["skipped"]) == (1, 1, 1)
+    partial = json.loads((work / "partial.json").read_text())
+    assert partial["figures"]["modules"][str(hanging)] == cut
+
+
+def test_an_item_cut_or_crashed_reports_its_partial_results(tmp_path):
+    """What the orchestrator reports for an item from its exit code and work folder."""
+    assert gpu_check.item_outcome(124, 30, tmp_path) == {"status": "failed", "reason": "timed out after 30 s (its budget)"}
+    gpu_check.write_partial(tmp_path, {"figures": {"bytes": 5}, "samples": {"s": [1.0]}})
+    assert gpu_check.item_outcome(124, 30, tmp_path) == {
+        "status": "failed", "reason": "timed out after 30 s (its budget)", "figures": {"bytes": 5},
+        "samples": {"s": [1.0]}, "partial": True}
+    assert gpu_check.item_outcome(1, 30, tmp_path)["partial"] is True            # an exception after it
+    (tmp_path / "result.json").write_text(json.dumps({"figures": {"bytes": 9}}))
+    assert gpu_check.item_outcome(0, 30, tmp_path) == {"status": "passed", "figures": {"bytes": 9}}
 
 
 def test_arguments_are_checked_before_anything_runs(tmp_path, capsys):
@@ -91,11 +154,11 @@ def test_only_runs_the_named_items(tmp_path):
 
 
 def test_a_failing_and_a_hanging_item_leave_the_others_and_the_report(tmp_path, monkeypatch, capsys):
-    # transformer_engine without TE raises ModuleNotFoundError in its child; gpu_tests cannot even
-    # start pytest in 1 s; gpt_step_mfu is skipped (a stand-in package is missing); no_host_sync
+    # transformer_engine without TE raises ModuleNotFoundError in its child; padding_invariance
+    # cannot even import megatron in 1 s; gpt_step_mfu is skipped (a stand-in package is missing); no_host_sync
     # still runs in what is left of the budget (and fails without CUDA), or is skipped for time.
     monkeypatch.setattr(gpu_check, "ITEMS", [
-        gpu_check.Item("transformer_engine", 60, ()), gpu_check.Item("gpu_tests", 1, ()),
+        gpu_check.Item("transformer_engine", 60, ()), gpu_check.Item("padding_invariance", 1, ()),
         gpu_check.Item("gpt_step_mfu", 20, ("megatron_missing",)), gpu_check.Item("no_host_sync", 1000, ())])
     monkeypatch.setitem(gpu_check.NOT_CARRIED, "megatron_missing", "not carried: stand-in")
     assert gpu_check.run_all(tmp_path, None, budget_s=120, smoke=False) == 1
@@ -103,12 +166,31 @@ def test_a_failing_and_a_hanging_item_leave_the_others_and_the_report(tmp_path, 
     assert items["transformer_engine"]["status"] == "failed"
     assert "exited with 1" in items["transformer_engine"]["reason"]
     assert "transformer_engine" in items["transformer_engine"]["log_tail"]        # the traceback
-    assert items["gpu_tests"]["status"] == "failed" and items["gpu_tests"]["reason"] == "timed out after 1 s (its budget)"
+    cut = items["padding_invariance"]
+    assert cut["status"] == "failed" and cut["reason"] == "timed out after 1 s (its budget)" and "partial" not in cut
     assert items["gpt_step_mfu"] == {"status": "skipped", "reason": "not carried: stand-in", "figures": {},
                                      "samples": {}, "wall_s": items["gpt_step_mfu"]["wall_s"], "budget_s": 20}
     assert items["no_host_sync"]["status"] in ("failed", "skipped")   # ran in what was left, or no time left
     assert items["no_host_sync"]["budget_s"] == 1000
     assert "[gpu_check] report:" in capsys.readouterr().out
+
+
+@needs_no_cuda
+def test_a_run_with_a_tiny_budget_reports_the_cut_items_partial_counts(tmp_path, monkeypatch):
+    """The real gpu_tests item (every gpu test skips here) with 8 s for six test modules: it is
+    cut, and the report still lists each module with its counts, or as cut or not run."""
+    monkeypatch.setattr(gpu_check, "ITEMS", [gpu_check.Item("gpu_tests", 8, ())])
+    assert gpu_check.run_all(tmp_path, None, budget_s=120, smoke=False) == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    item = report["items"]["gpu_tests"]
+    assert item["status"] == "failed" and "cut at their budget or not run" in item["reason"], item
+    modules = item["figures"]["modules"]
+    assert list(modules) == gpu_check.gpu_test_modules()
+    assert any(m.get("cut") or m.get("status", "").startswith("not run") for m in modules.values())
+    for m in modules.values():
+        assert m.get("status", "").startswith("not run") or {"passed", "skipped", "cut", "wall_s"} <= set(m), m
+    assert item["figures"]["passed"] == item["figures"]["failed"] == 0
+    assert report["precompile"]["status"] == "passed"
 
 
 def test_carried_wheels_install_only_on_a_cuda_machine(tmp_path):
@@ -118,6 +200,84 @@ def test_carried_wheels_install_only_on_a_cuda_machine(tmp_path):
     assert off["status"] == "skipped" and "for the GPU machine" in off["reason"]
     broken = gpu_check.install_wheels(tmp_path, cuda=True, budget_s=120)
     assert broken["status"] == "failed" and broken["reason"].startswith("pip install exited with")
+
+
+class FakeSyncWatcher:
+    """torch's sync-debug mode as the no_host_sync item queries it, on a CPU: in 'error' mode a
+    host synchronisation (here: Tensor.item) raises the RuntimeError CUDA raises. ``catches=False``:
+    a watcher that is never on."""
+
+    def __init__(self, monkeypatch, catches: bool = True):
+        self.mode, self.catches = 0, catches
+        item = torch.Tensor.item
+
+        def watched_item(tensor):
+            if self.mode == "error" and self.catches:
+                raise RuntimeError("called a synchronizing CUDA operation\n(traceback)")
+            return item(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "item", watched_item)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: setattr(self, "mode", mode))
+
+
+def test_no_host_sync_judges_the_control_and_the_checks(monkeypatch):
+    """The item's pass/fail logic on a CPU with a faked sync watcher: the planted .item() raising
+    is the control passing (it once stored `not <error text>`, False, and failed on every GPU); a
+    watcher that catches nothing fails the control; a check that synchronises fails by name."""
+    FakeSyncWatcher(monkeypatch)
+    ok = gpu_check.no_host_sync(torch.device("cpu"), 2, 8, 64)
+    assert "status" not in ok, ok                     # passed
+    assert ok["figures"]["verdict"] == "no host synchronisation"
+    assert ok["figures"]["checks"][gpu_check.CONTROL] is True and len(ok["figures"]["checks"]) == 6
+    assert all(v is True for v in ok["figures"]["checks"].values())
+
+    checks = gpu_check.sync_checks
+    monkeypatch.setattr(gpu_check, "sync_checks", lambda *a: checks(*a) | {"planted": lambda: torch.ones(2).sum().item()})
+    bad = gpu_check.no_host_sync(torch.device("cpu"), 2, 8, 64)
+    assert bad["status"] == "failed" and bad["reason"] == "planted: called a synchronizing CUDA operation"
+    assert bad["figures"]["checks"][gpu_check.CONTROL] is True
+
+    monkeypatch.setattr(gpu_check, "sync_checks", checks)
+    FakeSyncWatcher(monkeypatch, catches=False)
+    off = gpu_check.no_host_sync(torch.device("cpu"), 2, 8, 64)
+    assert off["status"] == "failed" and off["reason"].startswith(f"{gpu_check.CONTROL}: not caught")
+    assert off["figures"]["verdict"] == "host synchronisation found"
+
+
+class _CudaTensorStandIn:
+    """Pickles as serialize_bucket pickles a CUDA tensor: torch's rebuild_cuda_tensor with the GPU's
+    UUID in the device argument."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def __reduce__(self):
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor, self.args
+
+
+def test_open_bucket_maps_the_uuid_in_a_payload_to_this_processs_device(monkeypatch):
+    """weight_sync_rates' receiver opens serialize_bucket's payloads without sglang: the GPU's UUID
+    in the device argument becomes this process's index of that GPU (faked device query here: two
+    GPUs, the payload's the second), every other argument passed on as it came."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing.reductions as reductions
+
+    from megadiv.rollout import weight_sync
+
+    args = tuple(f"arg{i}" for i in range(weight_sync._DEVICE_ARG)) + ("GPU-bbbb", "handle", "offset")
+    payload = base64.b64encode(pickle.dumps([("w", _CudaTensorStandIn(args))])).decode()
+    opened = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: opened.append(a) or "tensor")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(weight_sync, "device_uuid", lambda i: ["GPU-aaaa", "GPU-bbbb"][i])
+    assert gpu_check.open_bucket(payload) == [("w", "tensor")]
+    assert opened == [args[:weight_sync._DEVICE_ARG] + (1, "handle", "offset")]
+    assert reductions.rebuild_cuda_tensor.__name__ == "<lambda>"      # restored: the patch is scoped
 
 
 def test_no_host_sync_checks_run_and_give_gradients_on_cpu():
@@ -153,21 +313,52 @@ def test_timing_helper_statistics_and_protocol():
 
 @pytest.mark.slow
 @needs_no_cuda
-def test_smoke_runs_the_items_code_on_cpu(tmp_path):
-    """The items' code at toy shapes: the benchmark, megatron step and pytest runs produce figures."""
-    proc = run_script(tmp_path, "--smoke", "--only", "divergence_bench,gpt_step_mfu,deepspeed_bf16,padding_invariance",
-                      timeout=2400)
+def test_smoke_runs_every_items_code_on_cpu(tmp_path):
+    """Every item's code at toy shapes, as tools/gpu_check.sh --smoke runs it: each one that can run
+    on a CPU passes with its figures (no_host_sync's watcher and the two import checks need CUDA
+    or packages a CPU run has not)."""
+    proc = run_script(tmp_path, "--smoke", "--budget", "3000", timeout=3300)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert proc.returncode == 0, proc.stdout + json.dumps(report, indent=1)[-4000:]
-    bench, step = report["items"]["divergence_bench"], report["items"]["gpt_step_mfu"]
-    assert bench["status"] == step["status"] == "passed"
+    items = report["items"]
+    assert list(items) == [i.name for i in gpu_check.ITEMS]
+    assert {n for n, r in items.items() if r["status"] == "skipped"} == {
+        "gpu_tests", "no_host_sync", "transformer_engine", "sglang_cuda"}
+    assert all(r["status"] == "passed" and "partial" not in r for n, r in items.items()
+               if n not in ("gpu_tests", "no_host_sync", "transformer_engine", "sglang_cuda")), items
+    # gpu_tests: every gpu test skips here ("needs CUDA"), each module run and counted
+    tests = items["gpu_tests"]
+    assert list(tests["figures"]["modules"]) == gpu_check.gpu_test_modules()
+    assert tests["figures"]["skipped"] > 0 and tests["figures"]["passed"] == tests["figures"]["failed"] == 0
+    assert not any(m["cut"] for m in tests["figures"]["modules"].values())
+    bench, step = items["divergence_bench"], items["gpt_step_mfu"]
     rows = bench["figures"]["rows"]
     assert len(rows) == 7 and rows["(a) megatron vocab_parallel_cross_entropy"]["time_x_megatron_ce"] == 1.0
     assert all(len(s) == 2 for s in bench["samples"].values())
+    trainer_shapes = items["vocab_parallel_trainer"]["figures"]
+    assert trainer_shapes["dtype"] == "float32" and len(trainer_shapes["rows"]) == 7
     assert step["figures"]["parameters"] > 0 and step["figures"]["tokens_per_step"] == 32
     assert len(step["samples"]["step_s"]) == 3 and step["figures"]["mfu"] > 0
-    deepspeed, padding = report["items"]["deepspeed_bf16"], report["items"]["padding_invariance"]
-    assert deepspeed["status"] == padding["status"] == "passed"
+    actor = items["actor_train_step"]["figures"]
+    assert actor["parameters"] == step["figures"]["parameters"] and actor["tokens_per_step"] == 32
+    assert actor["skipped_steps"] == 0 and actor["mfu"] > 0 and actor["tokens_per_s"] > 0
+    assert len(items["actor_train_step"]["samples"]["step_s"]) == 2
+    assert actor["planned_bytes"] == sum(actor["planned_components"].values()) > 0
+    assert "peak_bytes" not in actor                   # the CUDA allocator's figure
+    sync = items["weight_sync_rates"]["figures"]
+    assert sync["bytes"] == 2 * actor["parameters"]    # every bf16 parameter exported once
+    assert sync["buckets"] > 1 and sync["tensors"] > sync["buckets"]
+    assert sync["export_gb_per_s"] > 0 and sync["handoff_gb_per_s"] > 0
+    ckpt = items["async_checkpoint"]["figures"]
+    assert ckpt["bit_exact"] is True and ckpt["tensors_differing"] == 0 and ckpt["trainer_state"] == {"step": 1}
+    assert 0 < ckpt["tensors_the_step_changed"] <= ckpt["tensors_compared"]
+    assert ckpt["checkpoint_bytes"] > 0 and ckpt["blocking_s"] > 0 and ckpt["total_s"] > 0
+    probe = items["bf16_probe"]["figures"]
+    for name in ("real_text", "random_tokens"):
+        assert probe[name]["tokens"] > 0 and 0 < probe[name]["mean_abs"] <= probe[name]["max_abs"], name
+    assert probe["trainer_dtype"] == "torch.bfloat16" and probe["mismatch_threshold"] == 0.05
+    assert items["grpo_demo"]["figures"]["steps"] == 1
+    deepspeed, padding = items["deepspeed_bf16"], items["padding_invariance"]
     for stage in ("zero0", "zero1", "zero3"):
         assert deepspeed["figures"][stage]["dtypes"] == ["torch.bfloat16"] and len(deepspeed["figures"][stage]["loss"]) == 3
     assert [deepspeed["figures"][s]["grad_accum_dtype"] for s in ("zero0", "zero1", "zero3")] == \
