@@ -753,20 +753,25 @@ PROBE_SMOKE = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=301)
 def item_bf16_probe(work: Path, smoke: bool, deadline: float) -> dict:
     """The post-sync probe's figure (rollout/mismatch.py: mean |engine log p - trainer log p|) at
     the same bf16 weights before any training, the embedded engine (transformers) against the
-    trainer (megatron, bf16): on real text and on the uniformly random tokens the probe draws,
-    beside rollout.mismatch_threshold. What bf16 alone moves the figure by, to set the threshold
-    (or the step-0 baseline) from; not a pass/fail check beyond finite figures."""
+    trainer (megatron, bf16): on the probe a run builds (held-out prompts and the engine's own
+    answers, ProbeBatch.answer), on fixed real text, and on uniformly random ids of the whole
+    embedding (what the probe drew before it read text); beside the limit a run would derive from
+    that step-0 baseline (mismatch.probe_limit: max(probe_floor, probe_factor x baseline), refused
+    above probe_max_limit). The figure the defaults are checked against; no pass/fail beyond finite
+    figures and the run's own refusal."""
     import math
 
+    import torch
     from transformers import AutoTokenizer
 
     from megadiv import parallel
     from megadiv.config import ModelConfig, ParallelConfig
     from megadiv.models.tiny import make_tiny_model
     from megadiv.policy.megatron import Policy
+    from megadiv.rollout import WeightSyncError
     from megadiv.rollout.config import RolloutConfig
     from megadiv.rollout.embedded import EmbeddedEngine
-    from megadiv.rollout.mismatch import ProbeBatch, check_mismatch
+    from megadiv.rollout.mismatch import ProbeBatch, probe_limit, probe_mismatch
     from megadiv.trainer.grpo import _probe_logprobs
 
     dev = parallel.initialize(ParallelConfig(), seed=1).device
@@ -777,17 +782,25 @@ def item_bf16_probe(work: Path, smoke: bool, deadline: float) -> dict:
                      "reference")
     tok = AutoTokenizer.from_pretrained(hf_dir)
     cfg = RolloutConfig()
-    probes = {"real_text": ProbeBatch([tok.encode(q) for q, _ in PROBE_TEXT], [tok.encode(a) for _, a in PROBE_TEXT]),
-              "random_tokens": ProbeBatch.random(trainer.vocab_size, cfg, seed=0)}
+    g = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(0, trainer.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    probes = {"run_probe": ProbeBatch.answer(engine, [tok.encode(q) for q, _ in PROBE_TEXT], cfg, len(tok)),
+              "real_text": ProbeBatch([tok.encode(q) for q, _ in PROBE_TEXT], [tok.encode(a) for _, a in PROBE_TEXT]),
+              "random_tokens": ProbeBatch([draw(16) for _ in range(4)], [draw(16) for _ in range(4)])}
     figures = {"engine_dtype": str(next(engine.model.parameters()).dtype), "trainer_dtype": "torch.bfloat16",
                "device": dev.type, "model": PROBE_SMOKE if smoke else PROBE_MODEL, "weights": "random, std 0.02",
-               "mismatch_threshold": cfg.mismatch_threshold}
+               "probe_floor": cfg.probe_floor, "probe_factor": cfg.probe_factor, "probe_max_limit": cfg.probe_max_limit}
     for name, probe in probes.items():
-        report = check_mismatch(engine, probe, _probe_logprobs(trainer, probe), math.inf, "step 0")
-        figures[name] = {"mean_abs": report.mean_abs, "max_abs": report.max_abs, "tokens": report.tokens,
-                         "x_threshold": report.mean_abs / cfg.mismatch_threshold}
+        report = probe_mismatch(engine, probe, _probe_logprobs(trainer, probe), "step 0")
+        figures[name] = {"mean_abs": report.mean_abs, "max_abs": report.max_abs, "tokens": report.tokens}
         write_partial(work, {"figures": figures})
-    parallel.shutdown()
+    try:
+        figures["run_limit"] = probe_limit(figures["run_probe"]["mean_abs"], cfg)
+    except WeightSyncError as e:
+        figures["run_limit"] = None
+        return {"status": "failed", "reason": f"a run would refuse this baseline: {e}", "figures": figures}
+    finally:
+        parallel.shutdown()
     if not all(math.isfinite(figures[n][k]) for n in probes for k in ("mean_abs", "max_abs")):
         return {"status": "failed", "reason": "a probe figure is not finite", "figures": figures}
     return {"figures": figures}
