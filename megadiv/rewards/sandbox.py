@@ -30,7 +30,6 @@ import json
 import math
 import os
 import secrets
-import shutil
 import signal
 import site
 import subprocess
@@ -43,7 +42,7 @@ from typing import Literal, Optional, Sequence
 
 from megadiv.data.code_tests import TestPlan, plan_test
 from megadiv.rewards.grading import Judge, judge_results
-from megadiv.rewards.sandbox_cgroup import PREFIX, make_cgroup, remove_cgroup, sweep_stale_once
+from megadiv.rewards.sandbox_cgroup import PREFIX, make_cgroup, remove_cgroup, remove_tree, sweep_stale_once
 from megadiv.rewards.sandbox_streams import CONTROL_BYTES, collect, control_events, parse_results, terminate
 
 CHILD = str(Path(__file__).resolve().parent / "sandbox_child.py")
@@ -268,7 +267,7 @@ def _run(program: str, plans: list[TestPlan], setup: str, timeout_s: float, limi
             if fd is not None:
                 os.close(fd)
         if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)
     control = control_events(streams[control_r])
     setup_error = next((ev.get("msg", "?") for ev in control if ev.get("e") == "setup_error"), None)
     try:
