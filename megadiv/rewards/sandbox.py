@@ -26,6 +26,8 @@ caller are swept at the first run of a process.
 """
 from __future__ import annotations
 
+import functools
+import glob
 import json
 import math
 import os
@@ -169,13 +171,28 @@ def python_paths() -> list[str]:
     return sorted((p for p in paths if os.path.isdir(p)), key=len)
 
 
+# Installation prefixes the sandbox grants besides the Python paths (/usr, with /usr/local inside).
+SYSTEM_PREFIXES = ("/usr", "/")
+
+
 def hidden_paths() -> list[str]:
     """Paths no sandboxed program may read: the megadiv package (its data files hold every
-    reference solution) in use here and in every site-packages, whatever the install, and the
-    project the package in use was checked out in (``project_paths``)."""
-    places = [*site.getsitepackages(), site.getusersitepackages(), *python_paths()]
-    copies = {os.path.realpath(os.path.join(d, "megadiv")) for d in places if os.path.isdir(os.path.join(d, "megadiv"))}
+    reference solution) in use here and every copy of it (a directory or an egg) in any package
+    directory of a granted prefix (this venv's, the base interpreter's, the system's ``dist-packages``,
+    the user site), whatever the install, and the project the package in use was checked out in
+    (``project_paths``)."""
+    places = {*site.getsitepackages(), site.getusersitepackages(), *package_dirs((*SYSTEM_PREFIXES, *python_paths()))}
+    copies = {os.path.realpath(path) for d in places for path in glob.glob(os.path.join(glob.escape(d), "megadiv*"))
+              if os.path.basename(path) == "megadiv" and os.path.isdir(path) or path.endswith(".egg")}
     return sorted(copies | {PACKAGE} | set(project_paths(os.path.dirname(PACKAGE), python_paths())))
+
+
+@functools.lru_cache(maxsize=16)
+def package_dirs(prefixes: tuple[str, ...]) -> list[str]:
+    """The site-packages and dist-packages directories of installation prefixes (cached: globbing
+    them costs ~10 ms, each run asks; a new Python installation appears rarely in a process)."""
+    patterns = ("lib*/python3*/*-packages", "local/lib*/python3*/*-packages")
+    return [d for prefix in prefixes for pattern in patterns for d in glob.glob(os.path.join(glob.escape(prefix), pattern))]
 
 
 PROJECT_MARKERS = (".git", "setup.py", "setup.cfg", "pyproject.toml")
