@@ -337,8 +337,8 @@ def test_forged_results_in_the_callers_parser_score_zero():
     good = [{"e": "program", "ok": True}, {"e": "test", "i": 0, "v": [3]}, {"e": "test", "i": 1, "v": [4]},
             {"e": "done", "count": 2}]
 
-    def status(events, nonce="N"):
-        raw = "".join(json.dumps({**ev, "n": nonce}) + "\n" for ev in events).encode()
+    def status(events, nonce="N"):  # the lines as the harness's encoder writes them
+        raw = "".join(json.dumps({**ev, "n": nonce}, separators=(",", ":")) + "\n" for ev in events).encode()
         state, detail, tests = _status(raw, "N", len(plans), [{"e": "exit", "signal": 0}], False, None, 10)
         if tests is None:
             return state, 0
@@ -357,8 +357,12 @@ def test_forged_results_in_the_callers_parser_score_zero():
     assert status([good[0], {"e": "test", "i": 0, "v": [{"T": "object", "v": True}]}, good[2], good[3]]) == ("failed", 1)
     assert status([good[0], {"e": "test", "i": 0, "v": 3}, good[2], good[3]]) == ("failed", 1)
     # A results object with many keys is refused before any dict is built from it (hash flooding).
-    wide = {"e": "test", "i": 0, "v": [3], **{f"k{k}": k for k in range(20)}}
-    assert status([good[0], wide, good[2], good[3]]) == ("crashed", 0)
+    wide = {"e": "program", "ok": True, **{f"k{k}": k for k in range(20)}}
+    assert status([wide, *good[1:]]) == ("crashed", 0)
+    assert status([good[0], {**good[1], "k": 1}, good[2], good[3]]) == ("crashed", 0)  # extra key: not JSON values
+    assert status([{"e": "program", "ok": [True]}, *good[1:]]) == ("crashed", 0)  # events are flat
+    raw = "".join(json.dumps({**ev, "n": "N"}) + "\n" for ev in good).encode()  # another encoder's spacing
+    assert _status(raw, "N", 2, [{"e": "exit", "signal": 0}], False, None, 10)[0] == "crashed"
 
 
 # --------------------------------------------------------------------------- never raise, never balloon
@@ -367,10 +371,10 @@ def test_forged_results_in_the_callers_parser_score_zero():
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_recursion_payload_and_huge_streams_are_limits(mode, host):
     # 100 kB of '[' on every descriptor: once raised RecursionError out of run_sandboxed; now a
-    # results line that does not parse: forged or corrupt, 0 (it is under the line cap).
+    # results stream refused by its shape before any line is parsed: forged or corrupt, 0.
     r = run("import os\nfor fd in range(1, 1024):\n    try:\n        os.write(fd, b'[' * 100_000 + b'\\n')\n"
             "    except OSError:\n        pass\ndef add(a, b):\n    return a + b", FORGE_TESTS, mode)
-    assert (r.status, r.passed) == ("crashed", 0) and "RecursionError" in r.detail, r
+    assert (r.status, r.passed) == ("crashed", 0) and "forged or corrupt" in r.detail, r
     # 256 MiB on every descriptor: bounded memory here, no deadline overrun.
     start = time.monotonic()
     r = run("import os\nchunk = b'x' * (1 << 20) + b'\\n'\nfor fd in range(1, 1024):\n    try:\n"
@@ -843,41 +847,89 @@ for _ in range(DEPTH):
     deep = [deep]
 for ev in ({'e': 'program', 'ok': True}, {'e': 'test', 'i': 0, 'v': [deep]}, {'e': 'test', 'i': 1, 'v': [4]},
            {'e': 'done', 'count': 2}):
-    os.write(fd, (json.dumps({**ev, 'n': nonce}) + '\\n').encode())
+    os.write(fd, (json.dumps({**ev, 'n': nonce}, separators=(',', ':')) + '\\n').encode())
 os._exit(0)
+"""
+# The forgeries need the harness's frames: with the audit hook on they are out of reach.
+HOOK_OFF = [pytest.param("namespaces-os", {}, marks=needs_ns), ("unsafe", {"audit_hook": False})]
+
+
+@pytest.mark.parametrize("mode", [pytest.param("namespaces", marks=needs_ns), "unsafe"])
+def test_the_harness_frames_are_out_of_reach_with_the_hook(mode):
+    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "400"), FORGE_TESTS, mode)
+    assert (r.status, r.passed) == ("crashed", 0) and "sys._getframe is not allowed" in r.detail, r
+
+
+@pytest.mark.parametrize(("mode", "hook"), HOOK_OFF)
+def test_forged_deep_stream_with_the_nonce_scores_zero_and_raises_nothing(mode, hook):
+    # The forged stream is complete and carries the nonce; only its depth gives it away (to the
+    # grader's interpreter, which alone parses values). 985 levels: the red team's.
+    for depth in (400, 985):
+        r = run(WRONG + DEEP_FORGERY.replace("DEPTH", str(depth)), FORGE_TESTS, mode, **hook)
+        assert (r.status, r.passed) == ("crashed", 0) and "deeper" in r.detail, (depth, r)
+
+
+def test_deep_values_are_parsed_by_the_grader_only():
+    from megadiv.data.code_tests import plan_test
+    from megadiv.rewards.grading import Judge, judge_results
+    from megadiv.rewards.jail.harness import make_encoder
+    from megadiv.rewards.sandbox_streams import parse_results
+
+    def line(values) -> bytes:
+        return json.dumps({"e": "test", "i": 0, "v": values, "n": "N"}, separators=(",", ":")).encode() + b"\n"
+
+    def verdict(values):
+        events, why = parse_results(line(values), "N", 1)
+        assert why == "" and events[0]["v_json"] == json.dumps(values, separators=(",", ":")).encode()
+        judge = Judge.acquire(256)
+        try:
+            return judge_results([plan_test("assert f(1) == ()")], events, judge, "", time.monotonic() + 60)
+        finally:
+            judge.release()
+
+    deep = "x"
+    for _ in range(200):
+        deep = [deep]
+    assert verdict([deep])[:2] == ("crashed", 0) and "deeper" in verdict([deep])[2]
+    value = ()  # the deepest value the harness's encoder sends: 64 nested tuples
+    for _ in range(63):
+        value = (value,)
+    assert verdict(make_encoder()([value]))[:2] == ("failed", 0)
+    assert verdict(make_encoder()([()]))[:2] == ("passed", 1)
+
+
+# A complete forged stream (hook off: the harness's frames give the nonce and descriptor away)
+# whose every value line is as long as the line cap allows: 16 lines of ~250 KiB.
+WIDE_FORGERY = """
+import os, sys, json
+def add(a, b):
+    frame = sys._getframe()
+    while 'nonce' not in frame.f_locals:
+        frame = frame.f_back
+    nonce, fd = frame.f_locals['nonce'], frame.f_locals['fd']
+    # the harness sent the program line before this first call
+    events = [{'e': 'test', 'i': i, 'v': [[0] * 125_000]} for i in range(14)] + [{'e': 'done', 'count': 14}]
+    for ev in events:
+        os.write(fd, (json.dumps({**ev, 'n': nonce}, separators=(',', ':')) + '\\n').encode())
+    os._exit(0)
 """
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_forged_deep_stream_with_the_nonce_scores_zero_and_raises_nothing(mode):
-    # The forged stream is complete and carries the nonce; only its depth gives it away. 400 levels
-    # parse at any stack depth; 985 (the red team's) may already fail to parse here: crashed either way.
-    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "400"), FORGE_TESTS, mode)
-    assert (r.status, r.passed) == ("crashed", 0) and "deeper" in r.detail, r
-    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "985"), FORGE_TESTS, mode)
-    assert (r.status, r.passed) == ("crashed", 0), r
-
-
-def test_deep_values_never_reach_the_judge():
-    from megadiv.rewards.sandbox_streams import MAX_JSON_DEPTH, json_depth, parse_results
-
-    deep = "x"
-    for _ in range(MAX_JSON_DEPTH):
-        deep = [deep]
-    line = json.dumps({"e": "test", "i": 0, "v": [deep], "n": "N"}).encode() + b"\n"
-    assert json_depth(json.loads(line)) == MAX_JSON_DEPTH + 2
-    events, why = parse_results(line, "N")
-    assert events == [] and "deeper" in why
-    # the deepest value the harness's encoder sends (64 nested tuples) still parses
-    from megadiv.rewards.jail.harness import make_encoder
-
-    value = ()
-    for _ in range(63):
-        value = (value,)
-    encoded = make_encoder()([value])
-    assert encoded is not None
-    ok = json.dumps({"e": "test", "i": 0, "v": encoded, "n": "N"}).encode() + b"\n"
-    assert parse_results(ok, "N")[1] == ""
+@pytest.mark.parametrize(("mode", "hook"), HOOK_OFF)
+def test_a_forged_stream_costs_the_caller_little_cpu(mode, hook):
+    """The caller checks the stream's shape with C-speed steps and leaves values to the grader's
+    interpreter: 3.5 MiB of forged values cost this thread about what a trivial run does (they
+    cost 2.3 s here when the caller parsed and depth-walked them)."""
+    tests = [f"assert add({k}, 1) == {k + 1}" for k in range(14)]
+    run("def add(a, b):\n    return a + b", tests, mode, **hook)  # the grader's interpreter warm, as in training
+    start = time.thread_time()
+    baseline = run("def add(a, b):\n    return a + b", tests, mode, **hook)
+    trivial = time.thread_time() - start
+    start = time.thread_time()
+    r = run(WIDE_FORGERY, tests, mode, **hook)
+    forged = time.thread_time() - start
+    assert baseline.status == "passed" and (r.status, r.passed) == ("failed", 0), r
+    assert forged < trivial + 0.25, (forged, trivial)
 
 
 def _sysv_ids() -> set[str]:

@@ -318,7 +318,7 @@ def _status(raw_results: bytes, nonce: str, n_tests: int, control: list[dict], t
         return "timeout", "CPU-time limit", None
     if sig == signal.SIGXFSZ:
         return "limit", "file-size limit", None
-    events, bad = parse_results(raw_results, nonce)
+    events, bad = parse_results(raw_results, nonce, n_tests)
     if bad:
         return "crashed", f"results stream forged or corrupt ({bad})", None
     kinds = [ev.get("e") for ev in events]

@@ -105,10 +105,13 @@ def make_audit_hook(workdir: str, allow_processes: bool, native_roots: tuple[str
     ``ctypes.call_function``), network use, writes outside ``workdir``, other processes' /proc
     entries and its own /proc net tables, directories opened as descriptors (a ``dir_fd`` the
     hook could not see through), extension modules from anywhere but the read-only ``native_roots``
-    (resolved system and Python paths; never the writable ``workdir``), (unless allowed) process
+    (resolved system and Python paths, less any that holds the writable ``workdir``), (unless allowed) process
     creation, and whatever would reach or rebind the hook itself: its frames (tracebacks,
     ``sys._getframe``, tracers and profilers), the gc functions, its code and defaults."""
     refused = ALWAYS_REFUSED | (frozenset() if allow_processes else PROCESS_EVENTS)
+    # a root holding the work dir would grant what the program writes there ("/", or namespaces'
+    # /tmp); a root inside it (a venv under namespaces' /tmp) is a read-only bind
+    native_roots = tuple(root for root in native_roots if workdir != root and not workdir.startswith(root.rstrip("/") + "/"))
     refused_imports = REFUSED_IMPORTS | (frozenset() if allow_processes else frozenset({"_posixsubprocess"}))
     own_proc = f"/proc/{os.getpid()}"
 
@@ -127,7 +130,7 @@ def make_audit_hook(workdir: str, allow_processes: bool, native_roots: tuple[str
                 raise deny("sandbox: importing " + as_str(args[0]) + " is not allowed")
             if args[1] is not None:  # an extension module's file (_imp.create_dynamic): native code
                 real = resolve(args[1])
-                if startswith(real, workdir + "/") or not any_under(real, native_roots, startswith):
+                if not any_under(real, native_roots, startswith):
                     raise deny("sandbox: loading the extension module " + real + " is not allowed")
         elif event == "sys._getframe":
             # ValueError, what a too-deep _getframe raises: namedtuple, typing and enum catch it
