@@ -11,7 +11,7 @@ history holds them too) are unreadable to the program in every mode (``hidden_pa
   and UTS namespaces; a read-only root of /usr, /etc, /lib* and the Python installation; a
   size-capped tmpfs as the working directory; a fresh unprivileged uid per run.
 - ``unsafe`` (explicit opt-in only): the program runs on the host, guarded by the fresh uid (when
-  started as root), rlimits, seccomp (no socket() at all), Landlock where the kernel has it
+  started as root), rlimits, seccomp (no socket() or socketpair() at all), Landlock where the kernel has it
   (system and Python paths read-only, /proc of its own process only) and a CPython audit hook.
 - ``auto`` (default): ``namespaces``, or a SandboxError saying what is missing and how to opt in to
   ``unsafe``. Nothing downgrades silently.
