@@ -212,3 +212,49 @@ def test_shaped_code_reward_terms_by_hand():
     assert result.reasons == ["correct", "correct", "wrong", "timeout", "wrong", "wrong"]
     # tie-break in a uniform group by length rank: shortest +0.015, middle 0, longest -0.015
     assert tied.scores == pytest.approx([-0.10, -0.10 + 0.015, -0.10 - 0.015], abs=1e-12)
+
+
+# Degenerate responses: nested text the parser refuses with RecursionError or MemoryError rather
+# than SyntaxError (3,000 unary minuses already), and operator chains it parses slowly but fine.
+DEEP_SHAPES = {"unary": lambda n: "-" * n + "1", "not": lambda n: "not " * n + "x",
+               "binary": lambda n: "1" + " + 1" * n, "attribute": lambda n: "a" + ".b" * n,
+               "call": lambda n: "f" + "()" * n, "subscript": lambda n: "a" + "[0]" * n,
+               "lambda": lambda n: "lambda: " * n + "0", "power": lambda n: "2" + "**2" * n,
+               "parens": lambda n: "(" * n + "1" + ")" * n}
+
+
+def test_deep_responses_score_nothing_and_raise_nothing():
+    task = load_dataset(DataConfig(name="mbpp", split="test", max_items=1))[0]
+    bare = [shape(n) for shape in DEEP_SHAPES.values() for n in (1000, 3000, 6000, 20000)]
+    fenced = [f"```python\n{shape(n)}\n```" for shape in DEEP_SHAPES.values() for n in (3000, 20000)]
+    for name in ("code", "code_shaped"):
+        reward = build_reward(RewardConfig(name=name, workers=2, timeout_s=5))
+        try:
+            result = reward(bare + fenced, [task] * (len(bare) + len(fenced)))
+        finally:
+            reward.close()
+        # code: 0 each; code_shaped: its no-test-passed term, never credit
+        assert all(s == 0.0 if name == "code" else s <= 0.0 for s in result.scores), (name, result)
+        assert "correct" not in result.reasons, (name, result.reasons)
+
+
+def test_an_open_fence_and_whitespace_cost_linear_time():
+    """An open fence followed by whitespace (the shaped reward's old regex backtracked cubically
+    on it: 14 s for 3,000 newlines): under 50 ms at 10,000 characters, and 10x the text costs
+    about 10x the time (best of 5, so that a loaded machine does not decide)."""
+    from megadiv.rewards.gbmpo import authors_program
+
+    def cost(text):
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            extract_program(text)
+            authors_program(text)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    for opening in ("```python", "```", "```python\n", "<think>```python", "```python\n```\n```"):
+        for ws in ("\n", " ", "\t", " \n"):
+            short, long = (opening + ws * (n // len(ws)) for n in (10_000, 100_000))
+            assert cost(short) < 0.05, (opening, ws, cost(short))
+            assert cost(long) < 30 * max(cost(short), 1e-4), (opening, ws, cost(short), cost(long))

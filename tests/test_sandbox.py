@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -336,8 +337,8 @@ def test_forged_results_in_the_callers_parser_score_zero():
     good = [{"e": "program", "ok": True}, {"e": "test", "i": 0, "v": [3]}, {"e": "test", "i": 1, "v": [4]},
             {"e": "done", "count": 2}]
 
-    def status(events, nonce="N"):
-        raw = "".join(json.dumps({**ev, "n": nonce}) + "\n" for ev in events).encode()
+    def status(events, nonce="N"):  # the lines as the harness's encoder writes them
+        raw = "".join(json.dumps({**ev, "n": nonce}, separators=(",", ":")) + "\n" for ev in events).encode()
         state, detail, tests = _status(raw, "N", len(plans), [{"e": "exit", "signal": 0}], False, None, 10)
         if tests is None:
             return state, 0
@@ -356,8 +357,12 @@ def test_forged_results_in_the_callers_parser_score_zero():
     assert status([good[0], {"e": "test", "i": 0, "v": [{"T": "object", "v": True}]}, good[2], good[3]]) == ("failed", 1)
     assert status([good[0], {"e": "test", "i": 0, "v": 3}, good[2], good[3]]) == ("failed", 1)
     # A results object with many keys is refused before any dict is built from it (hash flooding).
-    wide = {"e": "test", "i": 0, "v": [3], **{f"k{k}": k for k in range(20)}}
-    assert status([good[0], wide, good[2], good[3]]) == ("crashed", 0)
+    wide = {"e": "program", "ok": True, **{f"k{k}": k for k in range(20)}}
+    assert status([wide, *good[1:]]) == ("crashed", 0)
+    assert status([good[0], {**good[1], "k": 1}, good[2], good[3]]) == ("crashed", 0)  # extra key: not JSON values
+    assert status([{"e": "program", "ok": [True]}, *good[1:]]) == ("crashed", 0)  # events are flat
+    raw = "".join(json.dumps({**ev, "n": "N"}) + "\n" for ev in good).encode()  # another encoder's spacing
+    assert _status(raw, "N", 2, [{"e": "exit", "signal": 0}], False, None, 10)[0] == "crashed"
 
 
 # --------------------------------------------------------------------------- never raise, never balloon
@@ -366,10 +371,10 @@ def test_forged_results_in_the_callers_parser_score_zero():
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_recursion_payload_and_huge_streams_are_limits(mode, host):
     # 100 kB of '[' on every descriptor: once raised RecursionError out of run_sandboxed; now a
-    # results line that does not parse: forged or corrupt, 0 (it is under the line cap).
+    # results stream refused by its shape before any line is parsed: forged or corrupt, 0.
     r = run("import os\nfor fd in range(1, 1024):\n    try:\n        os.write(fd, b'[' * 100_000 + b'\\n')\n"
             "    except OSError:\n        pass\ndef add(a, b):\n    return a + b", FORGE_TESTS, mode)
-    assert (r.status, r.passed) == ("crashed", 0) and "RecursionError" in r.detail, r
+    assert (r.status, r.passed) == ("crashed", 0) and "forged or corrupt" in r.detail, r
     # 256 MiB on every descriptor: bounded memory here, no deadline overrun.
     start = time.monotonic()
     r = run("import os\nchunk = b'x' * (1 << 20) + b'\\n'\nfor fd in range(1, 1024):\n    try:\n"
@@ -842,41 +847,89 @@ for _ in range(DEPTH):
     deep = [deep]
 for ev in ({'e': 'program', 'ok': True}, {'e': 'test', 'i': 0, 'v': [deep]}, {'e': 'test', 'i': 1, 'v': [4]},
            {'e': 'done', 'count': 2}):
-    os.write(fd, (json.dumps({**ev, 'n': nonce}) + '\\n').encode())
+    os.write(fd, (json.dumps({**ev, 'n': nonce}, separators=(',', ':')) + '\\n').encode())
 os._exit(0)
+"""
+# The forgeries need the harness's frames: with the audit hook on they are out of reach.
+HOOK_OFF = [pytest.param("namespaces-os", {}, marks=needs_ns), ("unsafe", {"audit_hook": False})]
+
+
+@pytest.mark.parametrize("mode", [pytest.param("namespaces", marks=needs_ns), "unsafe"])
+def test_the_harness_frames_are_out_of_reach_with_the_hook(mode):
+    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "400"), FORGE_TESTS, mode)
+    assert (r.status, r.passed) == ("crashed", 0) and "sys._getframe is not allowed" in r.detail, r
+
+
+@pytest.mark.parametrize(("mode", "hook"), HOOK_OFF)
+def test_forged_deep_stream_with_the_nonce_scores_zero_and_raises_nothing(mode, hook):
+    # The forged stream is complete and carries the nonce; only its depth gives it away (to the
+    # grader's interpreter, which alone parses values). 985 levels: the red team's.
+    for depth in (400, 985):
+        r = run(WRONG + DEEP_FORGERY.replace("DEPTH", str(depth)), FORGE_TESTS, mode, **hook)
+        assert (r.status, r.passed) == ("crashed", 0) and "deeper" in r.detail, (depth, r)
+
+
+def test_deep_values_are_parsed_by_the_grader_only():
+    from megadiv.data.code_tests import plan_test
+    from megadiv.rewards.grading import Judge, judge_results
+    from megadiv.rewards.jail.harness import make_encoder
+    from megadiv.rewards.sandbox_streams import parse_results
+
+    def line(values) -> bytes:
+        return json.dumps({"e": "test", "i": 0, "v": values, "n": "N"}, separators=(",", ":")).encode() + b"\n"
+
+    def verdict(values):
+        events, why = parse_results(line(values), "N", 1)
+        assert why == "" and events[0]["v_json"] == json.dumps(values, separators=(",", ":")).encode()
+        judge = Judge.acquire(256)
+        try:
+            return judge_results([plan_test("assert f(1) == ()")], events, judge, "", time.monotonic() + 60)
+        finally:
+            judge.release()
+
+    deep = "x"
+    for _ in range(200):
+        deep = [deep]
+    assert verdict([deep])[:2] == ("crashed", 0) and "deeper" in verdict([deep])[2]
+    value = ()  # the deepest value the harness's encoder sends: 64 nested tuples
+    for _ in range(63):
+        value = (value,)
+    assert verdict(make_encoder()([value]))[:2] == ("failed", 0)
+    assert verdict(make_encoder()([()]))[:2] == ("passed", 1)
+
+
+# A complete forged stream (hook off: the harness's frames give the nonce and descriptor away)
+# whose every value line is as long as the line cap allows: 16 lines of ~250 KiB.
+WIDE_FORGERY = """
+import os, sys, json
+def add(a, b):
+    frame = sys._getframe()
+    while 'nonce' not in frame.f_locals:
+        frame = frame.f_back
+    nonce, fd = frame.f_locals['nonce'], frame.f_locals['fd']
+    # the harness sent the program line before this first call
+    events = [{'e': 'test', 'i': i, 'v': [[0] * 125_000]} for i in range(14)] + [{'e': 'done', 'count': 14}]
+    for ev in events:
+        os.write(fd, (json.dumps({**ev, 'n': nonce}, separators=(',', ':')) + '\\n').encode())
+    os._exit(0)
 """
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_forged_deep_stream_with_the_nonce_scores_zero_and_raises_nothing(mode):
-    # The forged stream is complete and carries the nonce; only its depth gives it away. 400 levels
-    # parse at any stack depth; 985 (the red team's) may already fail to parse here: crashed either way.
-    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "400"), FORGE_TESTS, mode)
-    assert (r.status, r.passed) == ("crashed", 0) and "deeper" in r.detail, r
-    r = run(WRONG + DEEP_FORGERY.replace("DEPTH", "985"), FORGE_TESTS, mode)
-    assert (r.status, r.passed) == ("crashed", 0), r
-
-
-def test_deep_values_never_reach_the_judge():
-    from megadiv.rewards.sandbox_streams import MAX_JSON_DEPTH, json_depth, parse_results
-
-    deep = "x"
-    for _ in range(MAX_JSON_DEPTH):
-        deep = [deep]
-    line = json.dumps({"e": "test", "i": 0, "v": [deep], "n": "N"}).encode() + b"\n"
-    assert json_depth(json.loads(line)) == MAX_JSON_DEPTH + 2
-    events, why = parse_results(line, "N")
-    assert events == [] and "deeper" in why
-    # the deepest value the harness's encoder sends (64 nested tuples) still parses
-    from megadiv.rewards.jail.harness import make_encoder
-
-    value = ()
-    for _ in range(63):
-        value = (value,)
-    encoded = make_encoder()([value])
-    assert encoded is not None
-    ok = json.dumps({"e": "test", "i": 0, "v": encoded, "n": "N"}).encode() + b"\n"
-    assert parse_results(ok, "N")[1] == ""
+@pytest.mark.parametrize(("mode", "hook"), HOOK_OFF)
+def test_a_forged_stream_costs_the_caller_little_cpu(mode, hook):
+    """The caller checks the stream's shape with C-speed steps and leaves values to the grader's
+    interpreter: 3.5 MiB of forged values cost this thread about what a trivial run does (they
+    cost 2.3 s here when the caller parsed and depth-walked them)."""
+    tests = [f"assert add({k}, 1) == {k + 1}" for k in range(14)]
+    run("def add(a, b):\n    return a + b", tests, mode, **hook)  # the grader's interpreter warm, as in training
+    start = time.thread_time()
+    baseline = run("def add(a, b):\n    return a + b", tests, mode, **hook)
+    trivial = time.thread_time() - start
+    start = time.thread_time()
+    r = run(WIDE_FORGERY, tests, mode, **hook)
+    forged = time.thread_time() - start
+    assert baseline.status == "passed" and (r.status, r.passed) == ("failed", 0), r
+    assert forged < trivial + 0.25, (forged, trivial)
 
 
 def _sysv_ids() -> set[str]:
@@ -947,7 +1000,7 @@ def test_a_venv_under_tmp_imports_numpy_in_namespaces_mode(tmp_path):
 
 # Each step tries to switch the audit hook off from pure Python; then the program calls libc through ctypes.
 SWITCH_OFF_PROBE = '''
-import builtins, gc, sys
+import builtins, gc, os, sys
 
 def closures():
     """Find the hook by gc and rebind its closure cells, defaults and code to harmless values."""
@@ -994,7 +1047,45 @@ def patched_builtins():
     builtins.PermissionError = Warning
     posixpath.realpath = lambda p, *a, **k: "/tmp"
 
-STEPS = (closures, hook_list, referrers, rebind_helpers, rebind_proc_check, subinterpreter, testcapi, patched_builtins)
+def traced():
+    """The traceback of a refused event holds the hook's frame, whose locals hold the hook: make it
+    traceable and install a tracer that rewrites its ``event`` on every call."""
+    try:
+        os.kill(1, 0)
+    except Exception as e:
+        tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    hook = tb.tb_frame.f_locals["guarded"][0]
+    hook.__cantrace__ = True
+    trace_hook(hook.__code__)
+
+def trace_hook(code):
+    def tracer(frame, what, arg):
+        if frame.f_code is code and what == "call":
+            frame.f_locals["event"] = "harmless"
+        return tracer
+    sys.settrace(tracer)
+
+def untraced_tracer():
+    """A tracer without the hook's code in hand: every frame's ``event`` rewritten."""
+    trace_hook(None)
+
+def profiler():
+    sys.setprofile(lambda frame, what, arg: None)
+
+def getframe():
+    """sys._getframe from a PathLike's __fspath__, which the hook calls: its frame, running."""
+    class Path:
+        def __fspath__(self):
+            frames.append(sys._getframe(1))
+            return "/etc/hostname"
+    frames = []
+    open(Path()).close()
+    frames[0].f_locals["workdir"] = "/"
+
+STEPS = (closures, hook_list, referrers, rebind_helpers, rebind_proc_check, subinterpreter, testcapi, traced,
+         untraced_tracer, profiler, getframe, patched_builtins)
 
 def attack():
     for step in STEPS:
@@ -1012,7 +1103,7 @@ def test_audit_hook_reads_no_global_and_holds_no_cell():
     """Its state is its defaults (tuples, frozensets, strings, C functions): nothing to rebind."""
     import dis
 
-    from megadiv.rewards.jail.audit import make_audit_hook, refused_proc, resolve
+    from megadiv.rewards.jail.audit import any_under, make_audit_hook, refused_proc, resolve
 
     def codes(code):
         yield code
@@ -1020,14 +1111,14 @@ def test_audit_hook_reads_no_global_and_holds_no_cell():
             if hasattr(const, "co_code"):
                 yield from codes(const)
 
-    hook = make_audit_hook("/tmp", False)
-    for function in (hook, resolve, refused_proc):
+    hook = make_audit_hook("/tmp", False, ("/usr",))
+    for function in (hook, resolve, refused_proc, any_under):
         assert function.__code__.co_freevars == () and function.__closure__ is None
         assert [i.argval for c in codes(function.__code__) for i in dis.get_instructions(c)
                 if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF")] == []
         assert all(type(d) in (str, int, tuple, frozenset, type) or callable(d) and not hasattr(d, "__code__")
-                   or d in (resolve, refused_proc) for d in function.__defaults__)
-    assert hook.__defaults__[-1] == (hook, resolve, refused_proc)  # the functions whose state it guards
+                   or d in (resolve, refused_proc, any_under) for d in function.__defaults__ or ())
+    assert hook.__defaults__[-1] == (hook, resolve, refused_proc, any_under)  # the functions whose state it guards
     for path in ("/proc/self", "/proc/thread-self/status", "/usr/bin/../lib64/./x", "relative/x", b"/proc/1", "/"):
         assert resolve(path) == os.fsdecode(os.path.realpath(path))
 
@@ -1035,13 +1126,15 @@ def test_audit_hook_reads_no_global_and_holds_no_cell():
 @pytest.mark.parametrize("mode", [pytest.param("namespaces", marks=needs_ns), "unsafe"])
 def test_audit_hook_cannot_be_switched_off(mode):
     """gc finds the hook and the list of hooks, a cell or default rebinds its state, a
-    subinterpreter has no hook: each is refused, and ctypes stays refused after all of them."""
+    subinterpreter has no hook, a traceback or _getframe hands out its frame, a tracer rewrites
+    its locals: each is refused, and ctypes stays refused after all of them."""
     r = run(SWITCH_OFF_PROBE, ["assert attack()"], mode)
     assert (r.status, r.passed) == ("failed", 0), r
     assert "ctypes.dlopen is not allowed" in r.detail, r
     for step in ("closures", "hook_list", "referrers", "rebind_helpers", "rebind_proc_check", "subinterpreter",
-                 "testcapi"):
+                 "testcapi", "traced", "untraced_tracer", "profiler"):
         assert f"{step} refused: PermissionError sandbox:" in r.output, (step, r.output)
+    assert "getframe refused: ValueError sandbox: sys._getframe" in r.output, r.output
 
 
 NET_TABLES_PROBE = """
@@ -1092,3 +1185,132 @@ def test_proc_net_tables_show_no_host_socket(mode, host, monkeypatch, tmp_path):
     assert (r.status, r.passed) == ("failed", 0), r
     assert "seen: []" in r.output, r.output
     host.check()
+
+
+# --------------------------------------------------------------------------- issue 51
+
+# Memory no rlimit counts: memfds (RLIMIT_FSIZE caps each, RLIMIT_NOFILE their number) and pipe
+# buffers grown with F_SETPIPE_SZ. The test asserts that more than 64 MiB (the run's RLIMIT_AS
+# below) was held outside the address space.
+MEMORY_BESIDE_RLIMIT_PROBE = """
+import os
+try:
+    import fcntl
+except ImportError:  # unsafe mode as root: a fresh uid cannot read a Python installed under /root
+    fcntl = None
+CHUNK = b'x' * (1 << 20)
+def held():
+    total, keep = 0, []
+    for _ in range(40):
+        try:
+            fd = os.memfd_create('hold')
+            keep.append(fd)
+            for _ in range(8):
+                total += os.write(fd, CHUNK)
+        except OSError as e:
+            print('memfd:', type(e).__name__, e)
+            break
+    for _ in range(20):
+        try:
+            r, w = os.pipe()
+            keep += [r, w]
+        except OSError as e:
+            print('pipe:', type(e).__name__, e)
+            break
+        try:
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except (OSError, AttributeError) as e:
+            print('grow pipe:', type(e).__name__, e)
+        os.set_blocking(w, False)
+        try:
+            while True:
+                total += os.write(w, CHUNK[:65536])
+        except BlockingIOError:
+            pass
+    print('held', total >> 20, 'MiB in', len(keep), 'descriptors')
+    return total
+"""
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_memfd_and_pipe_memory_is_bounded(mode):
+    r = run(MEMORY_BESIDE_RLIMIT_PROBE, ["assert held() > 64 << 20"], mode, memory_mb=64)
+    assert (r.status, r.passed) == ("failed", 0), r
+    assert "memfd: PermissionError" in r.output, r.output
+    assert "grow pipe: PermissionError" in r.output or "'NoneType' object has no attribute" in r.output, r.output
+
+
+# A tree as deep as the recursion limit allows twice over, built bottom-up (mkdir + rename: every
+# path stays short, so the audit hook allows each step); its full path is far past PATH_MAX.
+DEEP_TREE_PROBE = """
+import os
+def nest(depth):
+    os.mkdir('a')
+    for _ in range(depth):
+        os.mkdir('b')
+        os.rename('a', 'b/a')
+        os.rename('b', 'a')
+    os.chmod('a', 0)  # and the top of it unreadable
+    return depth
+"""
+
+
+def _deep_tree(root: str, depth: int, outside: str) -> None:
+    """``depth`` nested directories under ``root`` (built through descriptors: past PATH_MAX), a
+    file, a link to ``outside`` and a side branch every 100 levels, every 500th level mode 000."""
+    fd = os.open(root, os.O_RDONLY)
+    for level in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        if level % 100 == 0:
+            os.symlink(outside, "link", dir_fd=fd)
+            os.close(os.open("f", os.O_CREAT | os.O_WRONLY, 0o600, dir_fd=fd))
+            os.makedirs(f"/proc/self/fd/{fd}/side/x")
+        child = os.open("d", os.O_RDONLY, dir_fd=fd)
+        if level % 500 == 0:
+            os.chmod("d", 0, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+
+
+def test_remove_tree_removes_a_2000_deep_tree_without_following_links(tmp_path):
+    from megadiv.rewards.sandbox_cgroup import remove_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("host file")
+    root = tmp_path / "work"
+    root.mkdir()
+    _deep_tree(str(root), 2000, str(outside))
+    assert remove_tree(str(root)) is True
+    assert not root.exists() and (outside / "keep").read_text() == "host file"
+    assert remove_tree(str(root)) is True  # already gone
+    link = tmp_path / "link"
+    link.symlink_to(outside)
+    assert remove_tree(str(link)) is True and not link.exists() and (outside / "keep").exists()
+
+
+def test_the_sweep_removes_a_deep_stale_work_dir(tmp_path, monkeypatch):
+    """A killed caller's work dir holding a 2,000-deep tree: swept, nothing raised (before, every
+    later process's first run raised RecursionError here)."""
+    from megadiv.rewards import sandbox_cgroup
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{sandbox_cgroup.PREFIX}{dead.pid}-0123abcd"
+    stale.mkdir()
+    _deep_tree(str(stale), 2000, str(tmp_path))
+    monkeypatch.setattr(sandbox_cgroup.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(sandbox_cgroup, "_SWEPT", False)
+    monkeypatch.setattr(sandbox_cgroup, "cgroup_base", lambda: None)
+    sandbox_cgroup.sweep_stale_once()
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_2000_deep_tree_in_the_work_dir_is_removed_and_raises_nothing(mode):
+    before = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("megadiv-sandbox-")}
+    r = run(DEEP_TREE_PROBE, ["assert nest(2000) == 0"], mode, timeout_s=30.0)
+    assert (r.status, r.passed) == ("failed", 0), r  # it ran to its test: the tree was built
+    after = {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("megadiv-sandbox-")}
+    assert after <= before, after - before

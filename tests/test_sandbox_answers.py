@@ -214,3 +214,46 @@ def test_editable_git_install_answers_are_unreadable():
         check(json.loads(proc.stdout.strip().splitlines()[-1]), str(project / "megadiv"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+SECOND_COPY_PROBE = """
+import os
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        print('cannot read', path, type(e).__name__)
+        return ''
+"""
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_copy_in_a_second_site_packages_is_unreadable(mode, monkeypatch):
+    """A copy of the package in another granted installation's site-packages (as the base
+    interpreter's or a system dist-packages would hold one) is hidden like the one in use; a file
+    beside it stays readable, so the probe can see that directory."""
+    from megadiv.rewards import SandboxLimits, run_sandboxed, sandbox
+
+    base = tempfile.mkdtemp(prefix="megadiv-second-site-", dir="/var/tmp")
+    try:
+        prefix = os.path.join(base, "prefix")
+        site_dir = os.path.join(prefix, "lib", "python3.11", "site-packages")
+        answers = os.path.join(site_dir, "megadiv", "data", "files")
+        os.makedirs(answers)
+        with open(os.path.join(answers, "answers.txt"), "w") as f:
+            f.write("reference solutions\n")
+        with open(os.path.join(site_dir, "neighbour.txt"), "w") as f:
+            f.write("readable\n")
+        for root, _, _ in os.walk(base):  # world-readable, as an installation is
+            os.chmod(root, 0o755)
+        granted = sandbox.python_paths()
+        monkeypatch.setattr(sandbox, "python_paths", lambda: sorted({*granted, prefix}, key=len))
+        assert os.path.join(site_dir, "megadiv") in sandbox.hidden_paths()
+        tests = [f"assert read({os.path.join(answers, 'answers.txt')!r}) == 'reference solutions\\n'",
+                 f"assert read({os.path.join(site_dir, 'neighbour.txt')!r}) == 'readable\\n'"]
+        r = run_sandboxed(SECOND_COPY_PROBE, tests, 30.0, limits=SandboxLimits(**MODES[mode]))
+        assert (r.status, r.passed) == ("failed", 1), r  # the neighbour read, the copy not
+        assert "cannot read" in r.output and "neighbour" not in r.output, r.output
+    finally:
+        shutil.rmtree(base)

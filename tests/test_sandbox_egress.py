@@ -2,12 +2,16 @@
 stream and datagram sockets in a world-writable directory) receive nothing from a hostile program,
 and no program reads another process's /proc entry.
 
-The probe tries the socket module, then raw system calls through every foreign function it can
+The probe tries the socket module, socketpair(AF_UNIX, SOCK_DGRAM) + sendto a host path (through the
+socket module and through a copy of the _socket extension the program writes to its work dir and
+loads from there), then raw system calls through every foreign function it can
 find (those the harness looked up before the program ran, found by walking the heap; ctypes'
 own; a fresh CDLL), then /proc through a directory descriptor. Modes: ``auto`` (namespaces),
 ``unsafe`` and ``unsafe`` without the audit hook (seccomp and Landlock alone). The same probe run
 outside the sandbox reaches every listener, so the test is not vacuous.
 """
+import _socket
+import importlib.machinery
 import os
 import shutil
 import socket
@@ -26,8 +30,9 @@ pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 syscall numbers")]
 
 PROBE = """
-import gc, os, socket, struct
+import gc, os, socket, struct, sys
 UDP_PORT, STREAM_PATH, DGRAM_PATH, VICTIM, MARK = {port}, {stream!r}, {dgram!r}, {victim}, b'{mark}'
+SOCKET_SO = {socket_so!r}  # the interpreter's own _socket extension (hex): a prebuilt module
 PAYLOAD = b'pwned-{port}'
 UDP_ADDR = struct.pack('<HH4s8x', 2, socket.htons(UDP_PORT), bytes([127, 0, 0, 1]))
 
@@ -50,6 +55,27 @@ def with_socket_module():
         except Exception:
             pass
     return hits
+
+def with_socketpair(module):  # an unnamed unix datagram pair, then sendto a host path: no socket()
+    try:
+        a, b = module.socketpair(module.AF_UNIX, module.SOCK_DGRAM)
+        if a.sendto(PAYLOAD, DGRAM_PATH) > 0:
+            return [('socketpair', module.__name__)]
+    except Exception as e:
+        print('socketpair through', module.__name__, 'failed:', type(e).__name__, e)
+    return []
+
+def extension_socket():  # native code loaded from the work dir raises no ctypes event
+    import _frozen_importlib, _imp
+    path = os.path.abspath('_socket' + {suffix!r})
+    with open(path, 'wb') as f:
+        f.write(bytes.fromhex(SOCKET_SO))
+    try:
+        module = _imp.create_dynamic(_frozen_importlib.ModuleSpec('_socket', None, origin=path))
+    except Exception as e:
+        print('extension module refused:', type(e).__name__, e)
+        return []
+    return with_socketpair(module)
 
 def foreign_functions():
     try:
@@ -85,6 +111,16 @@ def with_raw_syscalls():
                     hits.append(('syscall', family, kind))
             except Exception:
                 pass
+        try:  # socketpair(AF_UNIX, SOCK_DGRAM), then sendto the host's datagram socket
+            import ctypes
+            pair = ctypes.create_string_buffer(8)
+            if fn(53, 1, 2, 0, pair) == 0:
+                addr = unix_addr(DGRAM_PATH)
+                fd = struct.unpack('<ii', pair.raw)[0]
+                if fn(44, fd, PAYLOAD, len(PAYLOAD), 0, addr, len(addr)) > 0:
+                    hits.append(('syscall socketpair', 1, 2))
+        except Exception:
+            pass
     return hits
 
 def with_proc():
@@ -105,7 +141,7 @@ def with_proc():
     return hits
 
 def attack():
-    hits = with_socket_module() + with_raw_syscalls() + with_proc()
+    hits = with_socket_module() + with_socketpair(socket) + extension_socket() + with_raw_syscalls() + with_proc()
     print('reached:', hits)
     return hits != []
 """
@@ -132,8 +168,11 @@ class Listeners:
         self.victim = subprocess.Popen(["sleep", self.mark])
 
     def source(self) -> str:
+        with open(_socket.__file__, "rb") as f:
+            socket_so = f.read().hex()  # the program may not read the interpreter's files (unsafe, fresh uid)
         return PROBE.format(port=self.udp.getsockname()[1], stream=self.stream.getsockname(),
-                            dgram=self.dgram.getsockname(), victim=self.victim.pid, mark=self.mark)
+                            dgram=self.dgram.getsockname(), victim=self.victim.pid, mark=self.mark,
+                            socket_so=socket_so, suffix=importlib.machinery.EXTENSION_SUFFIXES[0])
 
     def received(self) -> list[str]:
         got = []
@@ -169,9 +208,11 @@ def listeners():
 
 
 def test_the_probe_reaches_every_listener_outside_the_sandbox(listeners):
-    out = subprocess.run([sys.executable, "-c", listeners.source() + "\nattack()"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-"], input=listeners.source() + "\nattack()", capture_output=True,
+                         text=True, timeout=60, cwd=listeners.dir)
     assert "syscall" in out.stdout and "cmdline" in out.stdout, out
+    assert "('socketpair', 'socket')" in out.stdout and "('socketpair', '_socket')" in out.stdout, out
+    assert "syscall socketpair" in out.stdout, out
     assert sorted(set(listeners.received())) == ["udp", "unix datagram", "unix stream"]
 
 
@@ -182,3 +223,7 @@ def test_no_udp_no_unix_socket_no_proc_of_others(mode, listeners):
     assert (r.status, r.passed) == ("failed", 0), r
     assert "reached: []" in r.output, r.output
     assert listeners.received() == []
+    if MODES[mode].get("audit_hook", True):  # a prebuilt extension module from the work dir: refused
+        assert "extension module refused: PermissionError sandbox: loading the extension module" in r.output
+    else:  # loaded (unsafe without the hook), its socketpair refused by seccomp
+        assert "socketpair through _socket failed: PermissionError" in r.output, r.output

@@ -175,3 +175,45 @@ def test_mbpp_through_hf_loads_and_grades_like_the_builtin_loader(tmp_path):
     assert {k: v for k, v in verdicts.items() if k[1] == "reference"} == \
         {(builtin[k].id, "reference"): ("passed", len(builtin[k].tests)) for k in (125, 366, 926, 10, 600)}
     assert verdicts["mbpp/126", "impostor"] == ("failed", 0)
+
+
+def test_setup_values_read_by_the_grader_are_refused(tmp_path):
+    """A setup runs after the program, in its namespace: a program can rebind what the setup
+    defines (a tolerance, an expected value) before the test reads it. Such tests are refused
+    before anything runs; setup values passed to the program's functions stay allowed."""
+    wrong = ("def area(r):\n    globals()['EPS'] = 1e9\n    return 0.0\n"
+             "def answer():\n    return globals()['expected']\n")
+    setup = "import math\nEPS = 1e-6\nexpected = 12.566\ndef close(a, b):\n    return abs(a - b) < EPS\nR = 2"
+    for test in ("assert abs(area(2) - 12.566) < EPS", "assert answer() == expected", "assert close(area(2), 12.566)",
+                 "assert expected == answer()"):
+        with pytest.raises(ValueError, match="which the test setup defines"):
+            run_sandboxed(wrong, [test], 5.0, setup=setup, limits=SandboxLimits(isolation="unsafe"))
+        data = tmp_path / "tasks.jsonl"
+        data.write_text(json.dumps({"id": "circle", "prompt": "area", "tests": [test], "setup": setup}) + "\n")
+        with pytest.raises(DatasetError, match="circle: test 0 cannot be graded: .*which the test setup defines"):
+            load_dataset(DataConfig(name="jsonl", path=str(data), split="train", tests_field="tests", id_field="id",
+                                    answer_field=None, test_setup_field="setup"))
+    # a setup value as an argument only feeds the program (MBPP's trees: max_height(root)); math is the grader's
+    r = run_sandboxed(wrong, ["assert math.isclose(area(R), 12.566)"], 20.0, setup=setup,
+                      limits=SandboxLimits(isolation="unsafe"))
+    assert (r.status, r.passed) == ("failed", 0), r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reference_helper_named_like_a_builtin_does_not_take_the_graders_builtin(tmp_path, mode):
+    """A user record whose reference defines a helper ``abs``: the tests' ``abs(area(2) - ...)`` stays
+    the grader's (a call on a value of the program), so a program's own ``abs`` changes nothing.
+    MBPP 126's ``sum(10, 15)`` (constants only) stays the program's."""
+    reference = "import math\ndef abs(x):\n    return x if x > 0 else -x\ndef area(r):\n    return math.pi * r * r"
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"id": "circle", "prompt": "area", "code": reference,
+                                "tests": ["assert abs(area(2) - 12.566) < 1e-3"]}) + "\n")
+    record = load_dataset(DataConfig(name="jsonl", path=str(data), split="train", tests_field="tests", id_field="id",
+                                     answer_field=None, solution_field="code"))[0]
+    assert record.program_names == ()  # abs is called on a value of the program: Python's
+    wrong = "def abs(x):\n    return 0\ndef area(r):\n    return 0.0"
+    limits = SandboxLimits(isolation=mode)
+    r = run_sandboxed(wrong, record.tests, 20.0, program_names=record.program_names, limits=limits)
+    assert (r.status, r.passed) == ("failed", 0), r
+    r = run_sandboxed(reference, record.tests, 20.0, program_names=record.program_names, limits=limits)
+    assert (r.status, r.passed) == ("passed", 1), r

@@ -4,9 +4,11 @@ A code record's test is one ``assert`` statement. Graded programs are adversarie
 optimised for reward), so a test is split before anything runs:
 
 - **calls into the program** ("leaves"): a name the program defines, applied to arguments that are
-  constants (literals and arithmetic on them) or themselves such calls, e.g. ``f([1, 2], g(3))``;
-  or a bare name the program (or the record's setup) defines, e.g. ``root``. Only these are
-  evaluated in the sandbox, and only their values come back;
+  constants (literals and arithmetic on them), values the record's setup defines, or themselves
+  such calls, e.g. ``f([1, 2], g(3))``, ``max_height(root)``; or a bare name the program defines.
+  Only these are evaluated in the sandbox, and only their values come back. A value the setup
+  defines is never read by the grader's part (``abs(f(x) - 1) < EPS`` is refused: the program
+  runs first and can rebind ``EPS``);
 - **everything else** (comparisons, arithmetic, method calls on the returned values, builtins such
   as ``len``/``sorted``/``all``/``isinstance``/``type``, the modules in ``JUDGE_MODULES``, names
   the setup imports, comprehension and lambda variables) is the grader's expression, evaluated
@@ -64,7 +66,7 @@ def plan_test(source: str, setup: str = "", program_names: tuple[str, ...] = ())
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
         raise UnsplittableTest(f"a test must be one assert statement, got {source!r}")
     grader_names = (BUILTIN_NAMES | set(JUDGE_MODULES) | setup_imports(setup)[1]) - set(program_names)
-    splitter = _Splitter(grader_names, _bound_names(tree))
+    splitter = _Splitter(grader_names, _bound_names(tree), setup_names(setup))
     expr = splitter.visit_expr(tree.body[0].test, truth=True)
     if not splitter.leaves:  # its verdict would not depend on the program: every program would pass (or fail)
         raise UnsplittableTest(f"{source!r} makes no call into the program (a builtin of the same name is "
@@ -87,6 +89,25 @@ def setup_imports(setup: str) -> tuple[str, set[str]]:
     return "\n".join(ast.unparse(node) for node in imports), names
 
 
+def setup_names(setup: str) -> frozenset[str]:
+    """Names the setup's other statements (not its imports) bind at its top level. They are
+    evaluated in the sandbox, after the program ran: a program can rebind them (a tolerance, an
+    expected value) before the test reads them."""
+    if not setup.strip():
+        return frozenset()
+    names: set[str] = set()
+    todo = [node for node in ast.parse(setup).body if not isinstance(node, (ast.Import, ast.ImportFrom))]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)  # its body binds its own locals, not the setup's
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif not isinstance(node, ast.Lambda):
+            todo.extend(ast.iter_child_nodes(node))
+    return frozenset(names)
+
+
 def _bound_names(tree: ast.AST) -> set[str]:
     """Names the test binds itself (comprehension targets, lambda arguments, :=)."""
     bound = set()
@@ -101,8 +122,8 @@ def _bound_names(tree: ast.AST) -> set[str]:
 class _Splitter:
     """Replaces each call into the program by a leaf name; checks what may not be split."""
 
-    def __init__(self, grader_names: set[str], bound: set[str]):
-        self.grader_names, self.bound = grader_names, bound
+    def __init__(self, grader_names: set[str], bound: set[str], from_setup: frozenset[str]):
+        self.grader_names, self.bound, self.from_setup = grader_names, bound, from_setup
         self.leaves: list[str] = []
         self.truth: list[bool] = []
 
@@ -111,6 +132,11 @@ class _Splitter:
 
     def visit_expr(self, node: ast.expr, truth: bool = False) -> ast.expr:
         if self.is_program_name(node) or (isinstance(node, ast.Call) and self.is_program_name(node.func)):
+            head = node.func.id if isinstance(node, ast.Call) else node.id
+            if head in self.from_setup:
+                raise UnsplittableTest(f"`{ast.unparse(node)}` reads `{head}`, which the test setup defines: it is "
+                                       "evaluated after the program ran, which can rebind it (only values passed to "
+                                       "the program's functions may come from the setup)")
             if isinstance(node, ast.Call):
                 for arg in [*node.args, *(k.value for k in node.keywords)]:
                     self.check_argument(arg, node.func.id)

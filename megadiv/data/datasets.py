@@ -141,12 +141,25 @@ def _check_tests(record: Record) -> None:
 
 def shadowed_builtins(tests: tuple[str, ...], program: str) -> tuple[str, ...]:
     """Names the tests call that are Python builtins and that ``program`` (a reference solution)
-    defines at its top level: those calls are the program's (MBPP 126's ``sum``)."""
-    called = {node.func.id for tree in map(_parsed_or_none, tests) if tree is not None for node in ast.walk(tree)
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    defines at its top level: those calls are the program's (MBPP 126's ``sum(10, 15)``). Only a
+    name every test calls on constants alone: a reference's helper named ``abs`` must not turn the
+    grader's ``abs(area(2) - 12.56)`` into a call into the program (which then answers anything)."""
+    calls = [node for tree in map(_parsed_or_none, tests) if tree is not None for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    on_values = {call.func.id for call in calls if not all(map(_constant, [*call.args, *call.keywords]))}
+    called = {call.func.id for call in calls} - on_values
     defined = {node.name for node in ast.parse(program).body
                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     return tuple(sorted(called & defined & (BUILTIN_NAMES | set(JUDGE_MODULES))))
+
+
+_CONSTANT_NODES = (ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.keyword,
+                   ast.Starred, ast.operator, ast.unaryop, ast.expr_context)
+
+
+def _constant(node: ast.AST) -> bool:
+    """Literals, containers and arithmetic of them: no name, no call."""
+    return all(isinstance(n, _CONSTANT_NODES) for n in ast.walk(node))
 
 
 def _parsed_or_none(test: str) -> Optional[ast.Module]:

@@ -12,10 +12,37 @@ from megadiv.rewards.sandbox import SandboxError, SandboxLimits, SandboxResult, 
 
 log = logging.getLogger(__name__)
 
-# ```python ... ``` (also ```py, ```python3, or a bare ```); the language tag is group 1.
-_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.S)
-_OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*)\Z", re.S)
+_TAG = re.compile(r"[ \t]*([\w+-]*)")  # a fence's language tag: the word after ``` on its line
 _PYTHON_TAGS = ("python", "python3", "py")
+
+
+def fenced_blocks(text: str) -> tuple[list[tuple[str, str]], Optional[tuple[str, str]]]:
+    """The ``` blocks of ``text`` as (the rest of the fence's line, code), in order, and the block
+    left open at the end (or None). A linear scan (str.find): a response is untrusted text, and a
+    lazy regex between fences backtracks quadratically on an open fence followed by whitespace."""
+    blocks, pos = [], 0
+    while True:
+        start = text.find("```", pos)
+        newline = text.find("\n", start + 3) if start >= 0 else -1
+        if newline < 0:  # no more fences, or one whose line never ends: no block
+            return blocks, None
+        info = text[start + 3:newline]
+        end = text.find("```", newline + 1)
+        if end < 0:
+            return blocks, (info, text[newline + 1:])
+        blocks.append((info, text[newline + 1:end]))
+        pos = end + 3
+
+
+def is_python(source: str) -> bool:
+    """Whether ``source`` parses. Deeply nested text (a few thousand unary operators, a long operator
+    or attribute chain: what a degenerate policy emits) makes the parser raise RecursionError or
+    MemoryError rather than SyntaxError; either means "not a program", never an error of the reward."""
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
 
 
 def extract_program(response: str) -> Optional[str]:
@@ -25,21 +52,15 @@ def extract_program(response: str) -> Optional[str]:
     was cut inside an open ```python block, the text after it; else the whole response if it is
     valid Python.
     """
-    blocks = _FENCE.findall(response)
+    blocks, open_block = fenced_blocks(response)
     for tags in (_PYTHON_TAGS, ("",)):
-        chosen = [code for lang, code in blocks if lang.lower() in tags]
+        chosen = [code for info, code in blocks if _TAG.match(info).group(1).lower() in tags]
         if chosen:
             return chosen[-1] if chosen[-1].strip() else None
-    if response.count("```") % 2 == 1:
-        tail = _OPEN_FENCE.search(response[response.rfind("```"):])
-        return tail.group(1) if tail and tail.group(1).strip() else None
-    if not response.strip():
-        return None
-    try:
-        ast.parse(response)
-    except (SyntaxError, ValueError):
-        return None
-    return response
+    if open_block is not None:  # cut inside a block: only one whose fence line is just a python tag
+        info, code = open_block
+        return code if info.strip(" \t") in (*_PYTHON_TAGS, "") and code.strip() else None
+    return response if response.strip() and is_python(response) else None
 
 
 def code_score(result: SandboxResult, partial_credit: bool) -> tuple[float, str]:

@@ -27,14 +27,13 @@ rewriting of typographic characters to ASCII before running. A response counts a
 """
 from __future__ import annotations
 
-import ast
 import math
 import re
 import statistics
 from typing import Optional, Sequence
 
 from megadiv.rewards.base import RewardResult
-from megadiv.rewards.code_reward import CodeReward
+from megadiv.rewards.code_reward import CodeReward, is_python
 from megadiv.rewards.sandbox import run_sandboxed
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -71,20 +70,33 @@ class LastNumberReward:
         pass
 
 
-_THINK = re.compile(r"<think>.*?</think>", re.S)
 _PREFIXES = ("Here's the solution:", "Here's a Python function:", "The Python code is:", "Solution:")
 _BANNED = ("```", "print(", "input(", "Example:", "Explanation:", "# Example", "# Test")
 _CALL = re.compile(r"(\w+)\s*\([^)]*\)")
 _DEF = re.compile(r"\bdef\s+([A-Za-z_]\w*)\s*\(")
 
 
+def between(text: str, opening: str, closing: str, pos: int = 0) -> Optional[tuple[int, int]]:
+    """(start, end) of the text between the first ``opening`` at or after ``pos`` and the next
+    ``closing``, or None: what the lazy ``opening(.*?)closing`` finds first, by a linear scan (that
+    regex, with ``\\s*`` on both sides as the authors wrote it, backtracks cubically on an open fence
+    followed by whitespace)."""
+    start = text.find(opening, pos)
+    end = text.find(closing, start + len(opening)) if start >= 0 else -1
+    return (start + len(opening), end) if end >= 0 else None
+
+
 def authors_program(response: str) -> str:
     """The program the authors' extraction takes from a response (module docstring)."""
-    text = re.sub(r"/think|/no_think", "", _THINK.sub("", response))
-    for fence in (r"```python\s*(.*?)\s*```", r"```\s*(.*?)\s*```"):
-        blocks = re.findall(fence, text, flags=re.S)
-        if blocks:
-            return blocks[0].strip()
+    kept, pos = [], 0
+    while (think := between(response, "<think>", "</think>", pos)) is not None:  # drop <think> blocks
+        kept.append(response[pos:think[0] - len("<think>")])
+        pos = think[1] + len("</think>")
+    text = re.sub(r"/think|/no_think", "", "".join(kept) + response[pos:])
+    for opening in ("```python", "```"):
+        block = between(text, opening, "```")
+        if block is not None:
+            return text[block[0]:block[1]].strip()
     text = text.strip()
     for prefix in _PREFIXES:
         if text.lower().startswith(prefix.lower()):
@@ -108,9 +120,7 @@ class ShapedCodeReward(CodeReward):
         if call is None:
             return -0.10, "unparsable"
         program = with_entrypoint(authors_program(response), call.group(1))
-        try:
-            ast.parse(program)
-        except (SyntaxError, ValueError):
+        if not is_python(program):
             passed, total, status = 0, len(record.tests), "failed"
         else:
             result = run_sandboxed(program, record.tests, self.timeout_s, setup=record.test_setup,

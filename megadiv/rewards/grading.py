@@ -75,16 +75,17 @@ class Judge:
         for f in (self.proc.stdin, self.proc.stdout):
             f.close()
 
-    def verdicts(self, plans: Sequence[TestPlan], values: Sequence[Optional[list]], setup: str,
-                 deadline: float) -> Optional[list[tuple[bool, str]]]:
-        """(passed, why not) per test whose values are not None (the others are not sent); None when
-        the grader ran past ``deadline`` (a monotonic time)."""
+    def verdicts(self, plans: Sequence[TestPlan], values: Sequence[Optional[bytes]], setup: str,
+                 deadline: float) -> Optional[list[tuple[bool, str, bool]]]:
+        """(passed, why not, forged) per test whose values (the JSON text the sandbox sent, never
+        parsed by the caller) are not None (the others are not sent); None when the grader ran
+        past ``deadline`` (a monotonic time). ``forged``: values the harness cannot have sent."""
         sent = [(plan, v) for plan, v in zip(plans, values) if v is not None]
         if not sent:
             return []
         payload = {"imports": setup_imports(setup)[0], "modules": sorted({m for plan, _ in sent for m in plan.modules}),
-                   "tests": [{"expression": plan.expression, "values": {f"{LEAF_PREFIX}{k}": x for k, x in enumerate(v)}}
-                             for plan, v in sent]}
+                   "tests": [{"expression": plan.expression, "values": v.decode("latin-1"),
+                             "names": [f"{LEAF_PREFIX}{k}" for k in range(len(plan.leaves))]} for plan, v in sent]}
         lines = self._exchange(json.dumps(payload).encode() + b"\n", len(sent), deadline)
         if lines is None:
             self.healthy = False
@@ -93,12 +94,12 @@ class Judge:
         for line in lines:
             try:
                 v = json.loads(line)
-                verdicts.append((v["ok"] is True, str(v["why"])[:300]))
+                verdicts.append((v["ok"] is True, str(v["why"])[:300], v["forged"] is True))
             except (ValueError, KeyError, TypeError):
-                verdicts.append((False, "the grader failed on this test's values"))
+                verdicts.append((False, "the grader failed on this test's values", False))
         if len(verdicts) < len(sent):  # it died (its memory limit): the tests it did not judge fail
             self.healthy = False
-            verdicts += [(False, "the grader ran out of memory on this test's values")] * (len(sent) - len(verdicts))
+            verdicts += [(False, "the grader ran out of memory on this test's values", False)] * (len(sent) - len(verdicts))
         return verdicts
 
     def _exchange(self, request: bytes, n_lines: int, deadline: float) -> Optional[list[bytes]]:
@@ -137,17 +138,20 @@ atexit.register(Judge.close_idle)
 
 def judge_results(plans: Sequence[TestPlan], events: Sequence[dict], judge: Judge, setup: str,
                   deadline: float) -> tuple[str, int, str]:
-    """(status, passed, detail) from the sandbox's test events (one per plan, in order, checked)."""
-    values = [ev["v"] if "v" in ev and isinstance(ev["v"], list) and len(ev["v"]) == len(plan.leaves) else None
-              for plan, ev in zip(plans, events)]
+    """(status, passed, detail) from the sandbox's test events (one per plan, in order, checked);
+    a test's values arrive as their JSON text (``v_json``), decoded only by the grader."""
+    values = [ev.get("v_json") for ev in events]
     verdicts = judge.verdicts(plans, values, setup, deadline)
     if verdicts is None:
         return "timeout", 0, "the grader ran out of time (the run's deadline) on the returned values"
+    forged = next((why for _, why, bad in verdicts if bad), None)
+    if forged is not None:
+        return "crashed", 0, f"results stream forged or corrupt ({forged})"
     verdicts = iter(verdicts)
     passed, first_bad, limit = 0, "", None
     for plan, ev, value in zip(plans, events, values):
         if value is not None:
-            ok, why = next(verdicts)
+            ok, why, _ = next(verdicts)
             why = why and f"{why} in {plan.source}"[:300]
         else:
             ok, why = False, str(ev.get("msg", "malformed test values"))[:300]

@@ -9,8 +9,11 @@ built to be expensive here (a list of ints that all hash to 0 turned into a set)
 time, never the caller's. It serves one run after another (each in a fresh namespace) until its
 stdin closes or it is killed.
 
-stdin: one JSON line per run {"imports", "modules", "tests": [{"expression", "values": {name:
-encoded value}}]}; stdout: one line {"ok": bool, "why": str} per test, in order.
+stdin: one JSON line per run {"imports", "modules", "tests": [{"expression", "names": the names of
+the calls into the program in it, "values": the JSON text the sandbox sent for them}]}; stdout: one line
+{"ok": bool, "why": str, "forged": bool} per test, in order. The values are parsed here, not in the
+trainer (whose CPU the run's deadline does not bound): ``forged`` when the text is not JSON or is
+nested deeper than the harness's encoder writes, which no genuine run sends.
 """
 import builtins
 import importlib
@@ -47,27 +50,60 @@ def decode(obj):
     raise ValueError(f"unknown tag {tag!r}")
 
 
+# Deepest JSON a test's values hold: the harness's encoder caps values at 64 levels (each at most
+# two JSON levels: {"T": ..., "v": [...]}), inside the list of a test's values.
+MAX_JSON_DEPTH = 2 * 64 + 2
+
+
+def json_depth(value) -> int:
+    """Nesting depth of parsed JSON (iterative: no recursion to exhaust)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (list, dict)):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def values_of(test: dict) -> tuple[dict, str, bool]:
+    """({leaf name: value}, why not, forged) of one test's values text."""
+    try:
+        values = json.loads(test["values"])
+    except (ValueError, RecursionError) as e:
+        return {}, f"values not JSON ({type(e).__name__})", True
+    if json_depth(values) > MAX_JSON_DEPTH:
+        return {}, "values nested deeper than the harness's encoder allows", True
+    if not isinstance(values, list) or len(values) != len(test["names"]):
+        return {}, "malformed test values", False
+    return dict(zip(test["names"], map(decode, values))), "", False
+
+
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
 def judge(p: dict):
-    """(ok, why) per test of one run."""
+    """(ok, why, forged) per test of one run."""
     scope = {"__builtins__": builtins}
     scope.update((name, importlib.import_module(name)) for name in p["modules"])
     try:
         exec(p["imports"], scope)
     except Exception as e:  # noqa: BLE001 - an import the grader's interpreter lacks: every test fails
-        yield from ((False, f"test setup imports: {describe(e)}") for _ in p["tests"])
+        yield from ((False, f"test setup imports: {describe(e)}", False) for _ in p["tests"])
         return
     for test in p["tests"]:
         try:
+            values, why, forged = values_of(test)
+            if why:
+                yield False, why, forged
+                continue
             names = dict(scope)
-            names.update((name, decode(v)) for name, v in test["values"].items())
+            names.update(values)
             ok = bool(eval(test["expression"], names))
-            yield ok, "" if ok else "AssertionError"
+            yield ok, "" if ok else "AssertionError", False
         except BaseException as e:  # MemoryError, RecursionError, comparing int with str: the test fails
-            yield False, describe(e)
+            yield False, describe(e), False
 
 
 def main() -> None:
@@ -75,10 +111,10 @@ def main() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a test's print() must not reach the verdicts
     memory = int(sys.argv[1]) << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    sys.setrecursionlimit(10_000)  # decode() of deep values (the sandbox's encoder caps depth at 64)
+    sys.setrecursionlimit(10_000)  # json.loads of forged deep values raises RecursionError, not a crash
     for line in sys.stdin.buffer:
-        for ok, why in judge(json.loads(line)):
-            verdicts.write(json.dumps({"ok": ok, "why": why}) + "\n")
+        for ok, why, forged in judge(json.loads(line)):
+            verdicts.write(json.dumps({"ok": ok, "why": why, "forged": forged}) + "\n")
         verdicts.flush()
 
 

@@ -11,7 +11,7 @@ history holds them too) are unreadable to the program in every mode (``hidden_pa
   and UTS namespaces; a read-only root of /usr, /etc, /lib* and the Python installation; a
   size-capped tmpfs as the working directory; a fresh unprivileged uid per run.
 - ``unsafe`` (explicit opt-in only): the program runs on the host, guarded by the fresh uid (when
-  started as root), rlimits, seccomp (no socket() at all), Landlock where the kernel has it
+  started as root), rlimits, seccomp (no socket() or socketpair() at all), Landlock where the kernel has it
   (system and Python paths read-only, /proc of its own process only) and a CPython audit hook.
 - ``auto`` (default): ``namespaces``, or a SandboxError saying what is missing and how to opt in to
   ``unsafe``. Nothing downgrades silently.
@@ -26,11 +26,12 @@ caller are swept at the first run of a process.
 """
 from __future__ import annotations
 
+import functools
+import glob
 import json
 import math
 import os
 import secrets
-import shutil
 import signal
 import site
 import subprocess
@@ -43,7 +44,7 @@ from typing import Literal, Optional, Sequence
 
 from megadiv.data.code_tests import TestPlan, plan_test
 from megadiv.rewards.grading import Judge, judge_results
-from megadiv.rewards.sandbox_cgroup import PREFIX, make_cgroup, remove_cgroup, sweep_stale_once
+from megadiv.rewards.sandbox_cgroup import PREFIX, make_cgroup, remove_cgroup, remove_tree, sweep_stale_once
 from megadiv.rewards.sandbox_streams import CONTROL_BYTES, collect, control_events, parse_results, terminate
 
 CHILD = str(Path(__file__).resolve().parent / "sandbox_child.py")
@@ -170,13 +171,28 @@ def python_paths() -> list[str]:
     return sorted((p for p in paths if os.path.isdir(p)), key=len)
 
 
+# Installation prefixes the sandbox grants besides the Python paths (/usr, with /usr/local inside).
+SYSTEM_PREFIXES = ("/usr", "/")
+
+
 def hidden_paths() -> list[str]:
     """Paths no sandboxed program may read: the megadiv package (its data files hold every
-    reference solution) in use here and in every site-packages, whatever the install, and the
-    project the package in use was checked out in (``project_paths``)."""
-    places = [*site.getsitepackages(), site.getusersitepackages(), *python_paths()]
-    copies = {os.path.realpath(os.path.join(d, "megadiv")) for d in places if os.path.isdir(os.path.join(d, "megadiv"))}
+    reference solution) in use here and every copy of it (a directory or an egg) in any package
+    directory of a granted prefix (this venv's, the base interpreter's, the system's ``dist-packages``,
+    the user site), whatever the install, and the project the package in use was checked out in
+    (``project_paths``)."""
+    places = {*site.getsitepackages(), site.getusersitepackages(), *package_dirs((*SYSTEM_PREFIXES, *python_paths()))}
+    copies = {os.path.realpath(path) for d in places for path in glob.glob(os.path.join(glob.escape(d), "megadiv*"))
+              if os.path.basename(path) == "megadiv" and os.path.isdir(path) or path.endswith(".egg")}
     return sorted(copies | {PACKAGE} | set(project_paths(os.path.dirname(PACKAGE), python_paths())))
+
+
+@functools.lru_cache(maxsize=16)
+def package_dirs(prefixes: tuple[str, ...]) -> list[str]:
+    """The site-packages and dist-packages directories of installation prefixes (cached: globbing
+    them costs ~10 ms, each run asks; a new Python installation appears rarely in a process)."""
+    patterns = ("lib*/python3*/*-packages", "local/lib*/python3*/*-packages")
+    return [d for prefix in prefixes for pattern in patterns for d in glob.glob(os.path.join(glob.escape(prefix), pattern))]
 
 
 PROJECT_MARKERS = (".git", "setup.py", "setup.cfg", "pyproject.toml")
@@ -268,7 +284,7 @@ def _run(program: str, plans: list[TestPlan], setup: str, timeout_s: float, limi
             if fd is not None:
                 os.close(fd)
         if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)
     control = control_events(streams[control_r])
     setup_error = next((ev.get("msg", "?") for ev in control if ev.get("e") == "setup_error"), None)
     try:
@@ -302,7 +318,7 @@ def _status(raw_results: bytes, nonce: str, n_tests: int, control: list[dict], t
         return "timeout", "CPU-time limit", None
     if sig == signal.SIGXFSZ:
         return "limit", "file-size limit", None
-    events, bad = parse_results(raw_results, nonce)
+    events, bad = parse_results(raw_results, nonce, n_tests)
     if bad:
         return "crashed", f"results stream forged or corrupt ({bad})", None
     kinds = [ev.get("e") for ev in events]

@@ -1,12 +1,12 @@
-"""Per-run cgroups v2 (cgroup.kill; memory.max and pids.max where those controllers are enabled)
-and the sweep of what a killed caller left behind (work directories and cgroups named
-``PREFIX<owner pid>-<run id>`` whose owner is gone)."""
+"""Per-run cgroups v2 (cgroup.kill; memory.max and pids.max where those controllers are enabled),
+removal of work directories, and the sweep of what a killed caller left behind (work directories
+and cgroups named ``PREFIX<owner pid>-<run id>`` whose owner is gone)."""
 from __future__ import annotations
 
 import logging
 import os
 import re
-import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -99,8 +99,83 @@ def sweep_stale_once() -> None:
             if is_cgroup:
                 remove_cgroup(path)
             else:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
             log.info("sandbox: removed stale %s", path)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str) -> bool:
+    """Remove ``path`` and everything under it; whether it is gone. Never raises.
+
+    The tree is the program's (unsafe mode's work directory): as deep as it liked (mkdir + rename
+    build one bottom-up, past PATH_MAX and past the recursion limit that made shutil.rmtree raise
+    RecursionError), with directories it made unreadable. So: iterative, one directory descriptor
+    open at a time, every step relative to its parent's descriptor (no path is ever longer than a
+    name), links never followed, each directory made accessible to its owner before it is read.
+    Time and memory grow with the entries, which the run's deadline bounds."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        return True
+    except OSError:  # not a directory (or a link to one): remove the entry itself
+        try:
+            os.unlink(path)
+            return True
+        except OSError as e:
+            log.warning("sandbox: cannot remove %s (%s)", path, e)
+            return False
+    # trail[k]: the names of the subdirectories of the directory open at depth k still to remove;
+    # its last name is the one descended into.
+    trail: list[list[str]] = []
+    try:
+        while True:
+            subdirs = []
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            subdirs.append(entry.name)
+                        else:
+                            os.unlink(entry.name, dir_fd=fd)
+                    except OSError:
+                        pass  # left in place: the rmdir above it fails and says so
+            if subdirs:
+                child = _enter(subdirs[-1], fd)
+                trail.append(subdirs)
+                os.close(fd)
+                fd = child
+                continue
+            while trail:  # climb until a directory still has subdirectories to visit
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(trail[-1].pop(), dir_fd=fd)
+                if trail[-1]:
+                    child = _enter(trail[-1][-1], fd)
+                    os.close(fd)
+                    fd = child
+                    break
+                trail.pop()
+            else:
+                os.close(fd)
+                fd = -1
+                os.rmdir(path)
+                return True
+    except OSError as e:
+        log.warning("sandbox: cannot remove %s (%s)", path, e)
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _enter(name: str, parent: int) -> int:
+    """Open the subdirectory ``name`` of ``parent``, first made readable and writable by its owner
+    (the program may have taken those rights away; a caller of another uid needs none of them)."""
+    os.chmod(name, stat.S_IRWXU, dir_fd=parent)  # a directory (scandir said so, not following links)
+    return os.open(name, _DIR_FLAGS, dir_fd=parent)
 
 
 _SWEEP_LOCK = threading.Lock()

@@ -19,7 +19,14 @@ import stat
 ALWAYS_REFUSED = frozenset({
     "socket.__new__", "socket.bind", "socket.connect", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
     "os.kill", "os.killpg", "sqlite3.connect", "os.mkfifo", "os.mknod", "os.setxattr", "os.removexattr",
-    "sys.addaudithook", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "cpython.PyInterpreterState_New"})
+    "sys.addaudithook", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "cpython.PyInterpreterState_New",
+    "sys.settrace", "sys.setprofile", "sys._current_frames", "sys._current_exceptions"})
+# Attributes that hand out a frame (audited reads): the traceback of any refused event holds the
+# hook's own frame, whose locals hold the hook. With them and sys._getframe refused, and no tracer
+# or profiler allowed (a tracer sees and rewrites the locals of every frame it traces, the hook's
+# too once its __cantrace__ is set, an attribute set that raises no event), no Python code of the
+# program can reach a frame of the hook.
+FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 PROCESS_EVENTS = frozenset({"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
                             "subprocess.Popen", "os.startfile"})
 # Test and interpreter modules of the standard library that reach raw memory or other interpreters.
@@ -85,13 +92,26 @@ def refused_proc(real, own_proc, startswith=str.startswith, split=str.split, isd
     return len_(parts) > 3 and (parts[3] == "net" or parts[3] == "task" and len_(parts) > 5 and parts[5] == "net")
 
 
-def make_audit_hook(workdir: str, allow_processes: bool):
+def any_under(real, roots, startswith):
+    """``real`` is one of ``roots`` or inside one (no global lookups: it runs inside the hook)."""
+    for root in roots:
+        if real == root or startswith(real, root + "/"):
+            return True
+    return False
+
+
+def make_audit_hook(workdir: str, allow_processes: bool, native_roots: tuple[str, ...]):
     """Refuse every ``ctypes.*`` event (a foreign function cached before the hook raises only
     ``ctypes.call_function``), network use, writes outside ``workdir``, other processes' /proc
     entries and its own /proc net tables, directories opened as descriptors (a ``dir_fd`` the
-    hook could not see through), (unless allowed) process creation, and whatever would reach or
-    rebind the hook itself."""
+    hook could not see through), extension modules from anywhere but the read-only ``native_roots``
+    (resolved system and Python paths, less any that holds the writable ``workdir``), (unless allowed) process
+    creation, and whatever would reach or rebind the hook itself: its frames (tracebacks,
+    ``sys._getframe``, tracers and profilers), the gc functions, its code and defaults."""
     refused = ALWAYS_REFUSED | (frozenset() if allow_processes else PROCESS_EVENTS)
+    # a root holding the work dir would grant what the program writes there ("/", or namespaces'
+    # /tmp); a root inside it (a venv under namespaces' /tmp) is a read-only bind
+    native_roots = tuple(root for root in native_roots if workdir != root and not workdir.startswith(root.rstrip("/") + "/"))
     refused_imports = REFUSED_IMPORTS | (frozenset() if allow_processes else frozenset({"_posixsubprocess"}))
     own_proc = f"/proc/{os.getpid()}"
 
@@ -100,6 +120,7 @@ def make_audit_hook(workdir: str, allow_processes: bool):
              own_proc=own_proc, resolve=resolve, refused_proc=refused_proc, deny=PermissionError,
              startswith=str.startswith, as_str=str.__str__, isinstance_=isinstance, int_type=int, str_type=str,
              path_types=(str, bytes, os.PathLike), stat_=os.stat, is_dir=stat.S_ISDIR, os_error=OSError, len_=len,
+             frame_attributes=FRAME_ATTRIBUTES, native_roots=native_roots, any_under=any_under, no_frame=ValueError,
              guarded=()):
         # Any exception here (a program's str subclass failing in as_str, say) refuses the event.
         if event in refused or startswith(event, "ctypes."):
@@ -107,6 +128,16 @@ def make_audit_hook(workdir: str, allow_processes: bool):
         if event == "import":
             if as_str(args[0]) in refused_imports:
                 raise deny("sandbox: importing " + as_str(args[0]) + " is not allowed")
+            if args[1] is not None:  # an extension module's file (_imp.create_dynamic): native code
+                real = resolve(args[1])
+                if not any_under(real, native_roots, startswith):
+                    raise deny("sandbox: loading the extension module " + real + " is not allowed")
+        elif event == "sys._getframe":
+            # ValueError, what a too-deep _getframe raises: namedtuple, typing and enum catch it
+            raise no_frame("sandbox: sys._getframe is not allowed")
+        elif event == "object.__getattr__":
+            if as_str(args[1]) in frame_attributes:
+                raise deny("sandbox: reading " + as_str(args[1]) + " is not allowed")
         elif event == "object.__setattr__" or event == "object.__delattr__":
             # only the hook's own functions: libraries (numpy) set other functions' __defaults__
             for function in guarded:
@@ -142,5 +173,5 @@ def make_audit_hook(workdir: str, allow_processes: bool):
                         raise deny("sandbox: " + event + " on " + real + " outside the working directory")
     # Its last default: the functions whose code and defaults it holds, itself included (set before
     # it is installed; no closure cell holds it).
-    hook.__defaults__ = hook.__defaults__[:-1] + ((hook, resolve, refused_proc),)
+    hook.__defaults__ = hook.__defaults__[:-1] + ((hook, resolve, refused_proc, any_under),)
     return hook

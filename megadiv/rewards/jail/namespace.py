@@ -13,7 +13,7 @@ def build_root(p: dict) -> None:
     /usr, /etc, /lib* and the Python installation are bound read-only; every hidden directory
     inside them (the megadiv package and its checkout: they hold the reference solutions) is
     covered by an empty read-only tmpfs; /proc is this PID namespace's; /dev has null, zero, urandom and random;
-    /tmp is a size-capped tmpfs owned by the program's uid."""
+    /tmp is a size-capped, noexec tmpfs owned by the program's uid."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     # Everything is looked up and opened before the tmpfs covers NEW_ROOT (/tmp): a Python path under
     # /tmp (a virtualenv there) is bound through its descriptor, not silently missed.
@@ -37,7 +37,8 @@ def build_root(p: dict) -> None:
     # The program's /tmp first: a Python path under /tmp is then bound inside it, not covered by it.
     os.makedirs(NEW_ROOT + "/tmp")
     uid = p["uid"]
-    mount("tmpfs", NEW_ROOT + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+    # noexec: nothing the program writes can be mapped executable (an extension module, a binary)
+    mount("tmpfs", NEW_ROOT + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
           f"size={p['tmpfs_mb']}m,nr_inodes=4096,mode=700,uid={uid},gid={uid}")
     for dest, target in links:
         os.symlink(target, dest)

@@ -24,6 +24,7 @@ import sys
 from .audit import make_audit_hook
 from .confine import confine
 from .harness import run_tests
+from .landlock import SYSTEM_PATHS
 from .libc import (
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -80,7 +81,9 @@ def user_process(p: dict, results_fd: int, ctl: Channel, workdir: str) -> None:
     del sys.argv[1:]
     forget()  # no foreign function of the set-up survives into the program's reach
     if p["audit_hook"]:
-        sys.addaudithook(make_audit_hook(os.path.realpath(workdir), p["max_processes"] > 1))
+        # the paths extension modules may come from: read-only in both modes (never the work dir)
+        native_roots = tuple(os.path.realpath(path) for path in SYSTEM_PATHS + tuple(p["python_paths"]))
+        sys.addaudithook(make_audit_hook(os.path.realpath(workdir), p["max_processes"] > 1, native_roots))
     try:
         run_tests(p["program"], p["setup"], p["leaves"], fd, p["nonce"])
     finally:

@@ -24,6 +24,13 @@ from .libc import (
 # keyrings, perf, module loading, kexec), clock/system administration, and socket() of every
 # family: no network, no unix-domain socket of the host, no vsock or netlink (a program needs none;
 # unsafe mode has no network namespace, so this is its network guard below the audit hook).
+# socketpair and every call that addresses or serves a socket (connect, bind, listen, accept,
+# sendto, sendmsg, sendmmsg): socketpair(AF_UNIX, SOCK_DGRAM) + sendto(<host path>) reached the
+# host's unix sockets in unsafe mode (Landlock does not mediate it), and a program has no socket
+# these calls could legitimately serve. memfd_create/memfd_secret: anonymous files whose pages no
+# rlimit counts (RLIMIT_AS does not, and there may be no cgroup memory controller); pipes stay at
+# their default 64 KiB (fcntl F_SETPIPE_SZ refused), so descriptors hold at most
+# max_open_files x 64 KiB.
 # SysV IPC and POSIX message queues: in unsafe mode they are the host's (no IPC namespace) and their
 # objects outlive the run (pinned memory no rlimit bounds), so none may be created or reached.
 # clone3 answers ENOSYS so that libc falls back to clone, whose flags the filter can see (clone3
@@ -37,7 +44,9 @@ _DENY_NAMES = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
                "open_by_handle_at", "name_to_handle_at", "syslog", "acct", "quotactl", "reboot",
                "swapon", "swapoff", "settimeofday", "clock_settime", "adjtimex", "personality", "socket",
                "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
-               "semtimedop", "semctl", "mq_open", "mq_unlink")
+               "semtimedop", "semctl", "mq_open", "mq_unlink",
+               "socketpair", "connect", "bind", "listen", "accept", "accept4", "sendto", "sendmsg", "sendmmsg",
+               "memfd_create", "memfd_secret")
 _SYSCALLS = {
     # AUDIT_ARCH_X86_64: arch/x86/entry/syscalls/syscall_64.tbl
     0xC000003E: dict(ptrace=101, process_vm_readv=310, process_vm_writev=311, pidfd_getfd=438, kcmp=312,
@@ -50,7 +59,9 @@ _SYSCALLS = {
                      reboot=169, swapon=167, swapoff=168, settimeofday=164, clock_settime=227, adjtimex=159,
                      personality=135, socket=41, shmget=29, shmat=30, shmctl=31, msgget=68, msgsnd=69,
                      msgrcv=70, msgctl=71, semget=64, semop=65, semtimedop=220, semctl=66, mq_open=240,
-                     mq_unlink=241, clone=56, clone3=435, prctl=157),
+                     mq_unlink=241, socketpair=53, connect=42, bind=49, listen=50, accept=43, accept4=288,
+                     sendto=44, sendmsg=46, sendmmsg=307, memfd_create=319, memfd_secret=447, fcntl=72,
+                     clone=56, clone3=435, prctl=157),
     # AUDIT_ARCH_AARCH64: include/uapi/asm-generic/unistd.h
     0xC00000B7: dict(ptrace=117, process_vm_readv=270, process_vm_writev=271, pidfd_getfd=438, kcmp=272,
                      mount=40, umount2=39, pivot_root=41, chroot=51, unshare=97, setns=268,
@@ -62,11 +73,14 @@ _SYSCALLS = {
                      reboot=142, swapon=224, swapoff=225, settimeofday=170, clock_settime=112, adjtimex=171,
                      personality=92, socket=198, shmget=194, shmat=196, shmctl=195, msgget=186, msgsnd=189,
                      msgrcv=188, msgctl=187, semget=190, semop=193, semtimedop=192, semctl=191, mq_open=180,
-                     mq_unlink=181, clone=220, clone3=435, prctl=167),
+                     mq_unlink=181, socketpair=199, connect=203, bind=200, listen=201, accept=202,
+                     accept4=242, sendto=206, sendmsg=211, sendmmsg=269, memfd_create=279, memfd_secret=447,
+                     fcntl=25, clone=220, clone3=435, prctl=167),
 }
 _MACHINE_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # (CLONE_NEWTIME is unshare/clone3 only: for clone its bit is part of the exit signal; unshare is denied.)
 _CLONE_NS_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
+F_SETPIPE_SZ = 1031  # linux/fcntl.h (F_LINUX_SPECIFIC_BASE + 7)
 # BPF opcodes (linux/filter.h) and seccomp return values (linux/seccomp.h)
 _LD_ABS, _JEQ, _JSET, _JGE, _RET = 0x20, 0x15, 0x45, 0x35, 0x06
 _KILL, _ERRNO, _ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
@@ -84,6 +98,8 @@ def seccomp_program(arch: int) -> list[tuple[int, int, int, int]]:
     # prctl: no un-setting of the parent-death signal, no becoming dumpable again.
     body += [(_JEQ, 0, 4, nr["prctl"]), (_LD_ABS, 0, 0, 16), (_JEQ, "eperm", 0, PR_SET_PDEATHSIG),
              (_JEQ, "eperm", 0, PR_SET_DUMPABLE), (_RET, 0, 0, _ALLOW)]
+    # fcntl: everything but growing a pipe's buffer.
+    body += [(_JEQ, 0, 3, nr["fcntl"]), (_LD_ABS, 0, 0, 24), (_JEQ, "eperm", 0, F_SETPIPE_SZ), (_RET, 0, 0, _ALLOW)]
     # clone: processes and threads yes, new namespaces no.
     body += [(_JEQ, 0, 3, nr["clone"]), (_LD_ABS, 0, 0, 16), (_JSET, "eperm", 0, _CLONE_NS_FLAGS),
              (_RET, 0, 0, _ALLOW), (_RET, 0, 0, _ALLOW)]
