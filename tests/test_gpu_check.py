@@ -96,8 +96,9 @@ def test_never_reached():
 
 def test_a_test_module_cut_at_its_budget_reports_the_tests_that_finished(tmp_path, monkeypatch):
     """gpu_tests runs each module under its own budget: a module that hangs is cut and still
-    reports what finished before (outcomes written per test), a module with no time left is
-    listed as not run, and the counts so far are in partial.json for the orchestrator."""
+    reports what finished before (outcomes written per test by tools/pytest_outcomes.py), a
+    module with no time left is listed as not run, and the counts so far are in partial.json for
+    the orchestrator."""
     hanging, later = tmp_path / "test_hanging.py", tmp_path / "test_later.py"
     hanging.write_text(HANGING_MODULE)
     later.write_text("def test_x():\n    pass\n")
