@@ -8,7 +8,9 @@ train on batch k (docs/training.md, Overlap).
                       step 1 and 1 after it; stop + resume reproduces the uninterrupted overlapped
                       run bit for bit (the batch in flight is in the checkpoint)
     SGLang server     the same schedule against a real server process on loopback: staleness,
-                      the pushed weights served (probe), every batch from one weight version
+                      the pushed weights served (probe), every batch from one weight version,
+                      and rank 0 receiving its replica's rows from the driver process, not the
+                      batch ahead (counted)
 """
 from __future__ import annotations
 
@@ -196,8 +198,13 @@ def test_overlap_with_the_sglang_server(tmp_path):
                         "checkpoint.every=0", "parallel.tensor_parallel=2", timeout_s=1200)
     steps = step_records(run_dir)
     assert [r["rollout/staleness"] for r in steps] == [0, 1, 1], out[-3000:]
+    print("rows received, driver pipe bytes per step:",
+          [(r["handoff/bytes_received"], r["handoff/driver_pipe_bytes"]) for r in steps])
     for r in steps:
         assert r["sync/probe_abs_diff_mean"] < 1e-4 and r["skipped"] == 0 and r["grad_norm"] > 0
+        # what rank 0 gets from the driver process per step is its replica's rows (the store) and the
+        # calls' small results (the pipe): never the batch generated ahead
+        assert r["handoff/driver_pipe_bytes"] < 1024 < r["handoff/bytes_received"]
         assert abs(r["tis/weight_mean"] - 1) < 0.5  # pi_old / pi_rollout over one version of a barely trained model
 
 
