@@ -306,8 +306,8 @@ class RolloutDriver:
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as e:
-            raise RolloutError(f"the checkpoint's prompt position does not fit this driver ({e}): it was written by "
-                               f"a version that drew prompts per step") from None
+            raise RolloutError(f"the checkpoint's prompt position does not fit this driver ({e}): data.seed or the "
+                               f"training data changed since it was written") from None
         if state["batch_ahead"] is not None:
             self._restored = Experience.from_state_dict(state["batch_ahead"])
 
