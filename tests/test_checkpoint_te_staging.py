@@ -6,6 +6,7 @@
 - An asynchronous save holds the host copies it staged until the save is sealed, and a staged
   copy that changes under the writer fails the save instead of being written with checksums that
   pass.
+- megatron validates a saver's first save only (the run's structure stays), and the next seals.
 """
 import pytest
 import torch
@@ -56,3 +57,7 @@ def test_an_async_save_holds_its_staged_copies_until_sealed(ran):
 def test_a_staged_copy_changed_under_the_writer_fails_the_save(ran):
     assert "staged copy changed while its writer wrote it" in ran["corrupt_refused"], ran["corrupt_refused"]
     assert not ran["corrupt_sealed"]
+
+
+def test_megatron_validates_the_first_save_of_a_run_only(ran):
+    assert ran["validations"] == [1, 1] and ran["second_intact"] is None

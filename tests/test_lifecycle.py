@@ -10,7 +10,7 @@ import pytest
 
 from megadiv.config import ConfigError, ParallelConfig
 from megadiv.models.checkpoint import CheckpointError
-from megadiv.trainer.checkpoint import CHECKSUM, MANIFEST, file_checksum, layout_of, resume_point
+from megadiv.trainer.checkpoint import CHECKSUM, FORMAT, MANIFEST, file_checksum, layout_of, resume_point
 from megadiv.trainer.lifecycle import DiskError, RunGuard, RunLock, RunLocked, writing
 from megadiv.trainer.loggers import read_records, truncate_records
 
@@ -23,7 +23,8 @@ def fake_checkpoint(root: Path, step: int, files: dict[str, bytes], parallel=TP1
     for name, data in files.items():
         (path / name).write_bytes(data)
     if manifest:
-        (path / MANIFEST).write_text(json.dumps({"step": step, "layout": layout_of(parallel), "world_size": 1,
+        (path / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "layout": layout_of(parallel),
+                                                 "world_size": 1,
                                                  "files": {k: len(v) for k, v in files.items()},
                                                  CHECKSUM: {k: file_checksum(path / k) for k in files}}))
     return path
@@ -63,6 +64,14 @@ def test_resume_takes_the_newest_complete_checkpoint_and_names_the_skipped(tmp_p
     assert resume_point(tmp_path, ParallelConfig(tensor_parallel=2))[0] == good
     with pytest.raises(ConfigError, match=r"written with parallel.pipeline_parallel=1 \(now 2\)"):
         resume_point(tmp_path, ParallelConfig(pipeline_parallel=2))
+    # a checkpoint of the format before (its rollout state in megatron's common state) is refused in one line
+    manifest = json.loads((good / MANIFEST).read_text())
+    (good / MANIFEST).write_text(json.dumps({k: v for k, v in manifest.items() if k != "format"}))
+    with pytest.raises(ConfigError, match=r"is a checkpoint of format 1 \(the rollout state in megatron's common.pt\); "
+                                          r"this megadiv resumes format 2") as refused:
+        resume_point(tmp_path, TP1)
+    assert "\n" not in str(refused.value)
+    (good / MANIFEST).write_text(json.dumps(manifest))
     # checkpoints, but none complete: an error, never a silent restart from step 0
     (good / "common.pt").unlink()
     with pytest.raises(CheckpointError, match="no complete checkpoint in .*common.pt is missing"):

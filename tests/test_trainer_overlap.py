@@ -8,7 +8,9 @@ train on batch k (docs/training.md, Overlap).
                       step 1 and 1 after it; stop + resume reproduces the uninterrupted overlapped
                       run bit for bit (the batch in flight is in the checkpoint)
     SGLang server     the same schedule against a real server process on loopback: staleness,
-                      the pushed weights served (probe), every batch from one weight version
+                      the pushed weights served (probe), every batch from one weight version,
+                      and rank 0 receiving its replica's rows from the driver process, not the
+                      batch ahead (counted)
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import torch
 from megadiv.config import load_config
 from megadiv.models.tiny import make_tiny_model
 from megadiv.rollout import RolloutError
+from megadiv.trainer.checkpoint import CHECKSUM, MANIFEST, file_checksum
 from megadiv.trainer.config import TrainConfig
-from megadiv.trainer.driver import RolloutDriver
+from megadiv.trainer.driver import STATE_FILE, DriverProcess, RolloutDriver
 from megadiv.trainer.handoff import Handoff, ReplicaRows, from_torch_bytes
 from tests.test_trainer import hf_weights, megadiv_train, step_records
 from tests.torchrun import run_torchrun
@@ -47,15 +50,20 @@ def _take(handoff: Handoff, step: int) -> tuple[ReplicaRows, dict]:
     return ReplicaRows.decode(handoff.take(f"batch/{step}/0")), metrics
 
 
-def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versions(tmp_path):
-    from transformers import AutoTokenizer
-
+def _tiny_overlapped(tmp_path: Path) -> tuple[Path, TrainConfig]:
+    """A one-layer model and an overlapped config of 2 prompts x 2 samples for it."""
     model = make_tiny_model(tmp_path / "m", "qwen2", tokenizer="char", chars="0123456789+=", hidden=32, heads=4,
                             kv_heads=2, ffn=64, layers=1, max_positions=64)
-    cfg = load_config(TrainConfig, REPO / "examples" / "tiny" / "grpo.yaml", [
+    return model, load_config(TrainConfig, REPO / "examples" / "tiny" / "grpo.yaml", [
         f"model.hf_dir={model}", "warm_start.make_model=none", "warm_start.sft_steps=0", "eval.data=null",
         "grpo.prompts_per_step=2", "rollout.n_samples=2", "advantage.group_size=2", "grpo.micro_batch_size=2",
         *OVERLAP])
+
+
+def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versions(tmp_path):
+    from transformers import AutoTokenizer
+
+    model, cfg = _tiny_overlapped(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(model)
     (store, port), (store2, port2) = Handoff.host(60), Handoff.host(60)
     driver, restored = RolloutDriver(cfg, str(model), tokenizer, store, 1), \
@@ -72,12 +80,13 @@ def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versio
         driver.engine.update_weights([moved], "step-1")
         driver.served(1)
         assert driver.engine.weight_version == "step-1"
-        torch.save(driver.state_dict(1), tmp_path / "state.pt")   # as a checkpoint keeps it
-        state = torch.load(tmp_path / "state.pt", weights_only=True)
-        assert state["batch_ahead"]["policy_version"] == 0
+        driver.save_state(str(tmp_path), 1)                       # as a checkpoint keeps it, in the background
+        record = driver.state_saved()
+        assert record == {STATE_FILE: [(tmp_path / STATE_FILE).stat().st_size, file_checksum(tmp_path / STATE_FILE)]}
+        assert torch.load(tmp_path / STATE_FILE, weights_only=True)["batch_ahead"]["policy_version"] == 0
         second, metrics = _take(handoff, 2)
         assert metrics["rollout/staleness"] == 1 and "time/rollout" in metrics
-        restored.load_state_dict(state)                           # a resumed run trains on the very same batch
+        restored.load_state(str(tmp_path / STATE_FILE))           # a resumed run trains on the very same batch
         restored.start_batch(2)
         again, _ = _take(handoff2, 2)
         assert torch.equal(again.tokens, second.tokens) and torch.equal(again.rewards, second.rewards)
@@ -88,6 +97,43 @@ def test_the_driver_pushes_after_the_batch_ahead_saves_it_and_refuses_two_versio
     finally:
         driver.close()
         restored.close()
+
+
+def test_the_driver_process_saves_the_batch_ahead_itself(tmp_path):
+    """With the driver in a process of its own (as with SGLang servers; the embedded engine in it
+    here), a checkpoint's rollout state is written by that process: its replies bring rank 0 a few
+    hundred bytes in a whole overlapped step, the save included (counted on the pipe), while the
+    file holds the batch ahead; a new driver process resumes on the very same batch."""
+    model, cfg = _tiny_overlapped(tmp_path)
+    driver = resumed = None
+    try:
+        driver = DriverProcess(cfg, str(model), 1)
+        handoff = Handoff.connect("127.0.0.1", driver.port, 60)
+        driver.start_batch(1)
+        _take(handoff, 1)
+        step = driver.received_bytes
+        driver.start_batch(2)                     # what rank 0 calls in a step: collect, push, save
+        driver.quiesce(1)
+        driver.served(1)
+        saving = driver.received_bytes
+        driver.save_state(str(tmp_path), 1)
+        record = driver.state_saved()
+        saved, step = driver.received_bytes - saving, driver.received_bytes - step
+        assert record == {STATE_FILE: [(tmp_path / STATE_FILE).stat().st_size, file_checksum(tmp_path / STATE_FILE)]}
+        ahead = torch.load(tmp_path / STATE_FILE, weights_only=True)["batch_ahead"]
+        assert ahead["policy_version"] == 0 and len(ahead["responses"]) == 4
+        print(f"pipe bytes: {step} in the step, {saved} for the save; the state file {record[STATE_FILE][0]} bytes")
+        assert saved < 200 and step < 500 < record[STATE_FILE][0]
+        second, _ = _take(handoff, 2)
+        resumed = DriverProcess(cfg, str(model), 1)
+        resumed.load_state(str(tmp_path / STATE_FILE))
+        resumed.start_batch(2)
+        again, _ = _take(Handoff.connect("127.0.0.1", resumed.port, 60), 2)
+        assert torch.equal(again.tokens, second.tokens) and torch.equal(again.rewards, second.rewards)
+    finally:
+        for d in (driver, resumed):
+            if d is not None:
+                d.close()
 
 
 @pytest.mark.slow
@@ -120,6 +166,15 @@ def test_an_overlapped_run_resumes_exactly(tmp_path):
     assert "stopped after step 3" in out
     out = megadiv_train(resumed, *shape)
     assert "resumed from" in out
+    # the batch ahead (4, on step 2's weights) is in the driver's own file, checksummed in the manifest,
+    # and not in megatron's common state, which every rank receives and reads
+    ckpt = resumed / "checkpoints" / "step_000003"
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    assert manifest["rollout_state"] == STATE_FILE and manifest[CHECKSUM][STATE_FILE] == file_checksum(ckpt / STATE_FILE)
+    saved = torch.load(ckpt / STATE_FILE, weights_only=True)
+    assert saved["batch_ahead"]["policy_version"] == 2 and saved["sampler"]["position"] > 0
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    assert set(common["trainer"]) == {"step", "nonfinite_in_row", "skipped_steps", "eval_before"}, common["trainer"]
     a, b = step_records(straight), step_records(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5] and [r["rollout/staleness"] for r in b] == [0, 1, 1, 1, 1]
     assert all(r["grad_norm"] > 0 for r in a) and any(r["tis/weight_mean"] != 1.0 for r in a[1:])
@@ -143,8 +198,13 @@ def test_overlap_with_the_sglang_server(tmp_path):
                         "checkpoint.every=0", "parallel.tensor_parallel=2", timeout_s=1200)
     steps = step_records(run_dir)
     assert [r["rollout/staleness"] for r in steps] == [0, 1, 1], out[-3000:]
+    print("rows received, driver pipe bytes per step:",
+          [(r["handoff/bytes_received"], r["handoff/driver_pipe_bytes"]) for r in steps])
     for r in steps:
         assert r["sync/probe_abs_diff_mean"] < 1e-4 and r["skipped"] == 0 and r["grad_norm"] > 0
+        # what rank 0 gets from the driver process per step is its replica's rows (the store) and the
+        # calls' small results (the pipe): never the batch generated ahead
+        assert r["handoff/driver_pipe_bytes"] < 1024 < r["handoff/bytes_received"]
         assert abs(r["tis/weight_mean"] - 1) < 0.5  # pi_old / pi_rollout over one version of a barely trained model
 
 

@@ -3,10 +3,12 @@
     run_dir/checkpoints/step_000040/   megatron dist_checkpointing (model + optimizer, sharded: every
                                        rank writes its share, __<rank>_<i>.distcp) +
                                        common.pt (schedule, trainer state) + rng_<rank>.pt +
+                                       rollout_state.pt (the rollout driver's: prompt position,
+                                       a batch generated ahead; written by the driver) +
                                        megadiv_model.json (the model, for ``megadiv convert``) +
-                                       manifest.json (step, TP/PP layout, backend, each rank's
-                                       (tp, pp, dp) coordinates, every file with its size and
-                                       xxh3-64 checksum)
+                                       manifest.json (format, step, TP/PP layout, backend, each
+                                       rank's (tp, pp, dp) coordinates, the rollout state's file,
+                                       every file with its size and xxh3-64 checksum)
                                        With model.backend=deepspeed: deepspeed/ (DeepSpeed's save_checkpoint:
                                        module, optimizer and ZeRO partitions, schedule and trainer state as
                                        its client state) + rng_<rank>.pt + manifest.json; resumed at the
@@ -20,9 +22,12 @@ common over the replicas, so every rank writes its own files; the training ranks
 the state is planned, staged on the host and hashed (megatron's async save: the writer is a process
 forked from the rank, which writes the staged tensors, checks them against those hashes and then
 writes the checksums of the files it wrote, ``written_<rank>.json``; the saver holds the staged
-tensors until the save is sealed, ``_Staging``). Once every rank's writer has finished (``poll``,
-one all-reduce per step), rank 0 merges those records, hashes the few small files it wrote
-itself, writes the manifest last and renames the directory. A crash or a signal mid-save leaves
+tensors until the save is sealed, ``_Staging``). The rollout driver writes and hashes its own
+file meanwhile (``StateFile``): the batch it generated ahead never passes through a rank. Once
+every rank's writer has finished (``poll``, one all-reduce per step), rank 0 waits for the
+driver's file, merges those records, hashes the few small files it wrote itself, writes the
+manifest last and renames the directory. megatron's validation of the shards and the common state
+runs at a run's first save only (the structure stays). A crash or a signal mid-save leaves
 only a ``.partial`` directory, which is never resumed from. Only ``keep_last`` complete
 checkpoints are kept. Collective: call on every rank. The DeepSpeed backend saves synchronously
 (DeepSpeed's own writer); its files are hashed in shares by every rank.
@@ -32,8 +37,8 @@ complete and intact (manifest present, every listed file present with its size, 
 0, and its checksum, each file read by one rank), naming each one it skips and why, before
 megatron reads a byte of it; megatron's fully parallel load then reads each shard once in every
 data-parallel group and sends it to the replicas that need it. It never falls back to step 0 while a
-checkpoint exists: none complete is an error. A checkpoint written at another pipeline layout is
-refused (the TP and data-parallel sizes may change). A rank whose (tp, pp, dp) coordinates the saved
+checkpoint exists: none complete is an error. A checkpoint written at another pipeline layout, or
+in an older FORMAT, is refused (the TP and data-parallel sizes may change). A rank whose (tp, pp, dp) coordinates the saved
 layout had continues that rank's RNG streams; any other rank (more ranks than the checkpoint has
 RNG files for, or another TP size) derives its streams from the step and its coordinates.
 """
@@ -49,6 +54,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.managers import SyncManager
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -67,6 +73,7 @@ from megadiv.models.checkpoint import (
 )
 from megadiv.policy.megatron import Policy
 from megadiv.progress import Progress, bytes_read, directory_bytes
+from megadiv.trainer.checksum import CHECKSUM, file_checksum, file_record
 from megadiv.trainer.lifecycle import RestartRefused, start_helper, writing
 
 # Distributed-optimizer state in model space (one tensor per parameter and moment, like a plain
@@ -77,23 +84,12 @@ from megadiv.trainer.lifecycle import RestartRefused, start_helper, writing
 # checkpoint reloads at another expert-parallel size.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 MANIFEST = "manifest.json"
+# 2: the rollout side's state (the prompt position, a batch generated ahead) in a file its driver
+# writes, named in the manifest (``rollout_state``), instead of in megatron's common state
+FORMAT = 2
 # What a checkpoint is tied to: resuming at another TP or DP size is tested
 # (tests/test_trainer.py, a DP=2 checkpoint resumed at DP=1 and at TP=2); another pipeline split is not.
 LAYOUT_KEYS = ("pipeline_parallel", "virtual_pipeline", "stage_layers")
-# Same-size corruption (a bad disk block, a stray write) passes a size check; a checksum per file
-# catches it. xxh3-64: 28 GB/s on one core of the CI machine, against 1.7 GB/s for sha256 and
-# 3.8 GB/s for zlib's crc32 (docs/training.md, Resume): hashing stays below the disk's read speed.
-CHECKSUM = "xxh3_64"
-_HASH_CHUNK = 8 << 20
-
-
-def file_checksum(path: Path) -> str:
-    """xxh3-64 of a file's bytes, hex (read in 8 MiB chunks: memory stays flat for any size)."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -274,7 +270,13 @@ def note_attempt(run_dir: Path, start: Path | None, restart: int) -> None:
 
 
 def _check_layout(path: Path, parallel: ParallelConfig) -> None:
-    stored = json.loads((path / MANIFEST).read_text())["layout"]
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format", 1) != FORMAT:
+        raise ConfigError(f"{path} is a checkpoint of format {manifest.get('format', 1)} (the rollout state in "
+                          f"megatron's common.pt); this megadiv resumes format {FORMAT} (the rollout driver's file): "
+                          f"resume it with the megadiv that wrote it, or convert its weights (megadiv convert "
+                          f"megatron-to-hf --ckpt-dir {path}) and start a new run from them")
+    stored = manifest["layout"]
     mine = layout_of(parallel)
     if stored != mine:
         diff = ", ".join(f"parallel.{k}={stored[k]} (now {mine[k]})" for k in LAYOUT_KEYS if stored[k] != mine[k])
@@ -283,11 +285,22 @@ def _check_layout(path: Path, parallel: ParallelConfig) -> None:
                           f"(megadiv convert megatron-to-hf --ckpt-dir {path}) and start a new run from it")
 
 
+class StateFile(Protocol):
+    """A component that writes its own file into a checkpoint, outside the ranks' state (the
+    rollout side: rank 0's driver, in its own process with SGLang)."""
+
+    def save_state(self, directory: Path, step: int) -> None:
+        """Start writing the state after ``step`` into ``directory`` (returns at once)."""
+
+    def state_saved(self) -> dict[str, list]:
+        """Wait until written: {file name: [size, xxh3-64]} (rank 0), {} elsewhere."""
+
+
 def save_checkpoint(run_dir: Path, step: int, actor: Policy, trainer_state: dict, keep_last: int,
-                    parallel: ParallelConfig) -> Path:
+                    parallel: ParallelConfig, side: StateFile | None = None) -> Path:
     """Write step ``step`` and wait until it is sealed (``CheckpointSaver`` without the overlap)."""
     saver = CheckpointSaver(run_dir, keep_last, parallel)
-    saver.save(step, actor, trainer_state)
+    saver.save(step, actor, trainer_state, side)
     saver.wait()
     return saver.final(step)
 
@@ -300,6 +313,7 @@ class _SaveInFlight:
     started: float       # time.perf_counter() at the start of save()
     blocking_s: float = 0.0
     staging: _Staging | None = None  # what the writer writes from, held until the save is sealed
+    side: StateFile | None = None    # writes a file of its own, awaited by the seal
 
 
 class _Staging:
@@ -357,13 +371,20 @@ class CheckpointSaver:
         self._calls = None         # megatron's AsyncCallsQueue, made at the first save
         self._strategy = None      # megatron's fully parallel save strategy (its distribution cached)
         self._coordinates = None   # every rank's (tp, pp, dp), gathered at the first save
+        # megatron's check that the shards cover every tensor once and that the common state is the
+        # same on every rank (an all-gather of every shard's metadata, the common state broadcast
+        # and diffed element by element): the first save checks the run's structure, which the
+        # later ones keep (the same model and optimizer; the common state is rank 0's, broadcast)
+        self._validated = False
 
     def final(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
-    def save(self, step: int, actor: Policy, trainer_state: dict) -> None:
+    def save(self, step: int, actor: Policy, trainer_state: dict, side: StateFile | None = None) -> None:
         """Start writing step ``step``; ``trainer_state`` (picklable, global rank 0's copy is kept)
-        holds what the loop needs to continue: data position, counters, evaluation figures."""
+        holds what the loop needs to continue: counters, evaluation figures. ``side`` (the rollout)
+        writes its own file meanwhile, named in the manifest (``rollout_state``) and awaited by
+        the seal."""
         from megatron.core import dist_checkpointing
 
         self._sealed = self.wait()  # the save before, sealed: its figures go out at the next poll
@@ -383,7 +404,7 @@ class CheckpointSaver:
                 partial.mkdir(parents=True)
             dist.barrier()
             rng_state = _rng_state()  # written after megatron's save, which wants partial/ empty
-            self._in_flight = _SaveInFlight(step, partial, actor.backend, started)
+            self._in_flight = _SaveInFlight(step, partial, actor.backend, started, side=side)
             if actor.backend == "deepspeed":  # DeepSpeed's own format, under partial/deepspeed, synchronous
                 actor.save_state(partial, _from_rank0(trainer_state))
                 dist.barrier()
@@ -394,6 +415,8 @@ class CheckpointSaver:
                          if f.is_file()}
                 mine = _save_rng(rng_state, partial, rank) | {name: [files[name], file_checksum(partial / name)]
                          for name in share_of(files, rank, dist.get_world_size())}
+                if side is not None:
+                    side.save_state(partial, step)
                 _record_written(partial, rank, mine, time.perf_counter() - started)
                 self._in_flight.blocking_s = time.perf_counter() - started
                 self._seal()
@@ -406,7 +429,10 @@ class CheckpointSaver:
             state["distributed_optimizer"] = actor.use_distributed_optimizer
             state["optimizer_parts"] = len(_parts(actor.optimizer))
             request = dist_checkpointing.save(state, str(partial), sharded_strategy=self._save_strategy(),
-                                              async_sharded_save=True)
+                                              async_sharded_save=True, validate_access_integrity=not self._validated)
+            self._validated = True
+            if side is not None:  # after megatron's save, which wants partial/ empty
+                side.save_state(partial, step)
             if rank == 0:
                 write_metadata(actor.model, partial)
             mine = _save_rng(rng_state, partial, rank)
@@ -471,7 +497,8 @@ class CheckpointSaver:
         final = self.final(save.step)
         dist.barrier()
         if dist.get_rank() == 0:
-            write_s = _verify_and_seal(save.partial, save.step, self.layout, self._coordinates, save.backend)
+            side = save.side.state_saved() if save.side is not None else {}
+            write_s = _verify_and_seal(save.partial, save.step, self.layout, self._coordinates, save.backend, side)
             shutil.rmtree(final, ignore_errors=True)
             save.partial.rename(final)
             (self.root / "latest.tmp").write_text(final.name + "\n")
@@ -491,7 +518,7 @@ def _save_rng(state: dict, partial: Path, rank: int) -> dict:
     """Write this rank's RNG file; its record entry (size, checksum)."""
     rng = partial / f"rng_{rank}.pt"
     torch.save(state, rng)
-    return {rng.name: [rng.stat().st_size, file_checksum(rng)]}
+    return file_record(rng)
 
 
 WRITTEN = "written_{rank}.json"  # a rank's record of the files it wrote (merged into the manifest)
@@ -525,11 +552,13 @@ def _record_written(partial: Path, rank: int, files: dict, seconds: float, error
     path.with_suffix(".tmp").rename(path)
 
 
-def _verify_and_seal(partial: Path, step: int, layout: dict, coordinates: list, backend: str) -> float:
+def _verify_and_seal(partial: Path, step: int, layout: dict, coordinates: list, backend: str,
+                     side: dict[str, list]) -> float:
     """Check what every rank wrote (each rank's record of its files, megatron's common state
-    loads), hash what rank 0 wrote outside the records (common.pt, megatron's metadata, the model
-    description), then write the manifest: the last file of a complete checkpoint. Returns the
-    slowest rank's seconds of writing."""
+    loads) and the rollout's state file (``side``: its record, {} without one), hash what rank 0
+    wrote outside the records (common.pt, megatron's metadata, the model description), then write
+    the manifest: the last file of a complete checkpoint. Returns the slowest rank's seconds of
+    writing."""
     from megatron.core import dist_checkpointing
 
     world_size = len(coordinates)
@@ -547,6 +576,7 @@ def _verify_and_seal(partial: Path, step: int, layout: dict, coordinates: list, 
         f.unlink()
     if errors:
         raise CheckpointError(f"checkpoint {partial} is not sealed: " + "; ".join(errors))
+    written |= side
     if backend == "megatron":
         dist_checkpointing.load_common_state_dict(str(partial))
     for name in written:
@@ -560,8 +590,8 @@ def _verify_and_seal(partial: Path, step: int, layout: dict, coordinates: list, 
     names = [str(f.relative_to(partial)) for f in paths]
     files = {n: written[n][0] if n in written else f.stat().st_size for n, f in zip(names, paths)}
     checksums = {n: written[n][1] if n in written else file_checksum(f) for n, f in zip(names, paths)}
-    manifest = {"step": step, "layout": layout, "world_size": world_size, "backend": backend,
-                "ranks": coordinates, "files": files, CHECKSUM: checksums}
+    manifest = {"format": FORMAT, "step": step, "layout": layout, "world_size": world_size, "backend": backend,
+                "ranks": coordinates, "rollout_state": next(iter(side), None), "files": files, CHECKSUM: checksums}
     (partial / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (partial / (MANIFEST + ".tmp")).rename(partial / MANIFEST)
     return max(seconds)
@@ -603,6 +633,14 @@ def export_hf(run_dir: Path, actor: Policy, template_dir: str, step: int, retrai
     actor.save_hf(run_dir / "hf", template_dir, replace=True)
     if dist.get_rank() == 0:
         marker.write_text(json.dumps({"step": step}) + "\n")
+
+
+def rollout_state_file(path: Path) -> Path:
+    """The rollout driver's state file of checkpoint ``path`` (checksummed with the others)."""
+    name = json.loads((path / MANIFEST).read_text())["rollout_state"]
+    if name is None:
+        raise CheckpointError(f"{path} holds no rollout state (saved outside a training run)")
+    return path / name
 
 
 def load_checkpoint(path: Path, actor: Policy) -> dict:

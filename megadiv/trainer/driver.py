@@ -31,9 +31,11 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import pickle
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,7 @@ from megadiv.rollout.fleet import FleetEngine
 from megadiv.rollout.mismatch import ProbeBatch, spread
 from megadiv.rollout.sglang_server import TrainerMemory
 from megadiv.rollout.stream import GroupResult
+from megadiv.trainer.checksum import file_record
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience, build_experience, informative
 from megadiv.trainer.handoff import Handoff, torch_bytes
@@ -82,6 +85,8 @@ class RolloutDriver:
         self._job: Future | None = None          # the batch being generated (and published)
         self._published: tuple[int, Experience] | None = None
         self._restored: Experience | None = None  # a batch generated ahead, from a checkpoint
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="megadiv-rollout-save")
+        self._saving: Future | None = None       # the state file being written (save_state)
 
     # ------------------------------------------------------------------ batches
 
@@ -277,33 +282,54 @@ class RolloutDriver:
         if self._split:
             self.engine.release()
 
-    def state_dict(self, step: int) -> dict:
-        """What a checkpoint after ``step`` keeps of the rollout side: the prompt position and a
-        batch generated ahead (saved, not regenerated: its weights, step - 1's, are not in the
-        checkpoint)."""
+    def save_state(self, directory: str, step: int) -> None:
+        """Start writing what a checkpoint after ``step`` keeps of the rollout side to
+        ``directory``/STATE_FILE, in a thread of this driver: the prompt position and a batch
+        generated ahead (saved, not regenerated: its weights, step - 1's, are not in the
+        checkpoint). The trainer ranks never hold it: not pickled to rank 0, not in megatron's
+        common state, and training goes on while it is written. Both are taken now; the next batch
+        (``start_batch``) moves the sampler but leaves this batch's tensors and lists as they are."""
         if self._job is not None:
             self._job.result()
         ahead = self._published[1].state_dict() if self._published and self._published[0] > step else None
-        return {"sampler": self.sampler.state_dict(), "batch_ahead": ahead}
+        state = {"sampler": self.sampler.state_dict(), "batch_ahead": ahead}
+        self._saving = self._saver.submit(_write_state, Path(directory) / STATE_FILE, state)
 
-    def load_state_dict(self, state: dict) -> None:
+    def state_saved(self) -> dict[str, list]:
+        """Wait until ``save_state``'s file is written: its manifest entry, {name: [size, xxh3-64]}."""
+        saving, self._saving = self._saving, None
+        return saving.result()
+
+    def load_state(self, path: str) -> None:
+        """Continue from a checkpoint's STATE_FILE (``path``, checksummed by the resume)."""
+        state = torch.load(path, weights_only=True)
         try:
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as e:
-            raise RolloutError(f"the checkpoint's prompt position does not fit this driver ({e}): it was written by "
-                               f"a version that drew prompts per step") from None
-        if state.get("batch_ahead") is not None:
+            raise RolloutError(f"the checkpoint's prompt position does not fit this driver ({e}): data.seed or the "
+                               f"training data changed since it was written") from None
+        if state["batch_ahead"] is not None:
             self._restored = Experience.from_state_dict(state["batch_ahead"])
 
     def close(self) -> None:
         if self._batches is not None:
             self._batches.shutdown(wait=False, cancel_futures=True)
         self._grader.shutdown(wait=False, cancel_futures=True)
+        self._saver.shutdown(wait=False, cancel_futures=True)
         for close in (self.engine.shutdown, self.eval_suite.close, self.reward.close):
             try:
                 close()
             except Exception:  # closing must not mask the error that brought us here
                 log.exception("while closing the rollout driver")
+
+
+STATE_FILE = "rollout_state.pt"
+"""The driver's file in a checkpoint (named in its manifest): the prompt position and the batch ahead."""
+
+
+def _write_state(path: Path, state: dict) -> dict[str, list]:
+    torch.save(state, path)
+    return file_record(path)  # hashed here, as each rank's writer hashes its shards
 
 
 def finished(fn, *args) -> Future:
@@ -325,6 +351,7 @@ class DriverProcess:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.timeout_s = cfg.rollout.handoff_timeout_s
+        self.received_bytes = 0  # what the driver's replies brought into this process (rank 0), pickled
         self.proc = ctx.Process(target=_serve_driver, args=(child, cfg, hf_dir, dp_size), name="megadiv-driver")
         self.proc.start()
         child.close()
@@ -347,7 +374,9 @@ class DriverProcess:
             if time.monotonic() > deadline:
                 raise RolloutError(f"the rollout driver did not answer {what} within rollout.handoff_timeout_s="
                                    f"{self.timeout_s:g} s")
-        kind, value = self._conn.recv()
+        data = self._conn.recv_bytes()
+        self.received_bytes += len(data)
+        kind, value = pickle.loads(data)
         if kind == "error":
             raise RolloutError(f"rollout driver: {value}")
         return value

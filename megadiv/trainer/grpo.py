@@ -71,7 +71,7 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
         mirror_map = checkpoint.fix_mirror_map(cfg.loss, run_dir, resuming=latest is not None)
         if latest is not None:
             state = checkpoint.load_checkpoint(latest, actor)
-            rollout.load_state_dict(state, state["step"])  # the prompt position and the batch generated ahead
+            rollout.load_state(checkpoint.rollout_state_file(latest), state["step"])  # prompts, batch ahead
             _say(info.rank, f"resumed from {latest} at step {state['step']}")
         if latest is not None or shares_weights(cfg):  # the loaded weights; shared from the start (no copy)
             rollout.push_weights(actor, state["step"])
@@ -102,9 +102,8 @@ def _train(cfg: TrainConfig, info, run_dir: Path, run: RunGuard) -> Path:
             _log_saved(logger, saver.wait() if saves else saver.poll())         # the save before, sealed
             logger.log(step, rollout_metrics | metrics | sync | evaluated | timer.as_metrics())
             state["step"] = step
-            state |= rollout.state_dict(step)
-            if saves:
-                saver.save(step, actor, state)                                  # written in the background
+            if saves:                                                           # written in the background,
+                saver.save(step, actor, state, rollout)                         # the driver's state by the driver
         _log_saved(logger, saver.wait())
         if last < cfg.grpo.steps:
             _say(info.rank, f"stopped after step {last} (grpo.stop_after); the same command with a larger or no "

@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -73,7 +74,7 @@ class Rollout:
         host, port = json.loads(started.wait(STARTED))
         self.handoff = Handoff.connect(host, port, timeout_s)
         self.replica, self.replica_source = replica_group(info, cfg.parallel.timeout_s)  # collective
-        self._started, self._evaluations = 0, 0
+        self._started, self._evaluations, self._pipe_bytes = 0, 0, 0
 
     def _start_driver(self, cfg: TrainConfig, start_dir: str, tokenizer, info, memory, group) -> int:
         """Rank 0: the engines and the driver; the port of the driver's hand-off store."""
@@ -90,7 +91,9 @@ class Rollout:
 
     def collect(self, step: int) -> tuple[ReplicaRows, dict]:
         """This replica's rows of batch ``step`` and the batch's metrics (the driver's, on every
-        rank), plus handoff/bytes_received: what this rank received for them."""
+        rank), plus handoff/bytes_received: what this rank received for them, and with the driver
+        in a process of its own handoff/driver_pipe_bytes: what its replies to rank 0's calls
+        brought since the previous batch."""
         if self.driver and self._started < step:
             self.driver.start_batch(step)
             self._started = step
@@ -100,7 +103,11 @@ class Rollout:
             self.driver.start_batch(step + 1)  # on step - 1's weights, while the ranks train on this one
             self._started = step + 1
         data = self.handoff.receive(f"batch/{step}/{self.info.dp_rank}", self.replica, self.replica_source)
-        return ReplicaRows.decode(data), metrics | {"handoff/bytes_received": len(data)}
+        metrics |= {"handoff/bytes_received": len(data)}
+        if isinstance(self.driver, DriverProcess):  # replies since the last batch: calls' results, never rows
+            metrics["handoff/driver_pipe_bytes"] = self.driver.received_bytes - self._pipe_bytes
+            self._pipe_bytes = self.driver.received_bytes
+        return ReplicaRows.decode(data), metrics
 
     def push_weights(self, actor, step: int) -> dict[str, float]:
         """Serve the actor's weights of ``step`` on every engine: after the batch in flight, which
@@ -146,13 +153,21 @@ class Rollout:
         if self._worker is not None:
             self.engine.serve(self._worker)  # until the driver releases the ranks
 
-    def state_dict(self, step: int) -> dict:
-        """The rollout side of a checkpoint after ``step`` (rank 0's counts; {} elsewhere)."""
-        return self.driver.state_dict(step) if self.driver else {}
-
-    def load_state_dict(self, state: dict, step: int) -> None:
+    def save_state(self, directory: Path, step: int) -> None:
+        """Start writing the rollout side of a checkpoint after ``step`` into ``directory``: rank 0's
+        driver writes its own file (the prompt position, the batch generated ahead) in the
+        background, in its own process with SGLang; nothing on the other ranks."""
         if self.driver:
-            self.driver.load_state_dict(state)
+            self.driver.save_state(str(directory), step)
+
+    def state_saved(self) -> dict[str, list]:
+        """Wait for ``save_state``'s file: its manifest entry (rank 0), {} elsewhere."""
+        return self.driver.state_saved() if self.driver else {}
+
+    def load_state(self, path: Path, step: int) -> None:
+        """Continue from the rollout state file ``path`` of a checkpoint after ``step``."""
+        if self.driver:
+            self.driver.load_state(str(path))
         self._started = step
 
     def close(self) -> None:

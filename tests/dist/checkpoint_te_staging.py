@@ -156,4 +156,21 @@ def one_rank(ctx) -> dict:
         corrupt.save(1, actor, {"step": 1})
         out["corrupt_refused"] = _error(corrupt.wait)
     out["corrupt_sealed"] = corrupt.final(1).exists()
+
+    # megatron's validation of the shards and the common state (all-gathers, a broadcast and an
+    # element-wise diff on every rank), per save of one saver: the structure stays after the first
+    from megatron.core.dist_checkpointing import state_dict_utils
+
+    validate, calls = state_dict_utils.validate_sharding_integrity, []
+    state_dict_utils.validate_sharding_integrity = lambda *a, **k: calls.append(1) or validate(*a, **k)
+    try:
+        twice = checkpoint.CheckpointSaver(Path(ctx.args["tmp"]) / "twice", keep_last=2, parallel=parallel)
+        out["validations"] = []
+        for step in (1, 2):
+            twice.save(step, actor, {"step": step})
+            twice.wait()
+            out["validations"].append(len(calls))
+        out["second_intact"] = checkpoint.checkpoint_problem(twice.final(2))
+    finally:
+        state_dict_utils.validate_sharding_integrity = validate
     return out
