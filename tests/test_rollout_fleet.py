@@ -1,16 +1,19 @@
 """A rollout fleet of two real SGLang CPU servers (megadiv.rollout.fleet): prompt groups spread
 over the servers, every weight update reaching both over one broadcast group (probe check on
-each), a refusing server named in the error within the configured timeout, a killed one dropped
-during a push while the fleet goes on.
+each) with one liveness call per server per push and no generating health check, a refusing
+server named in the error within the configured timeout, a killed one dropped during a push
+while the fleet goes on.
 
 The module launches its two servers once (``rollout.num_servers: 2``, concurrently; 30-90 s on
 2 cores) and stops both process groups at the end; the last test kills one of them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
+import re
 import signal
 import subprocess
 import time
@@ -119,6 +122,30 @@ def test_a_refusing_server_is_named_and_the_fleet_recovers(fleet, base, referenc
     trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
     assert check_mismatch(fleet, probe, trainer, 0.05, "step-5").max_abs < TOL
     assert fleet.weight_version == "step-5"
+
+
+def test_a_push_checks_each_server_once_and_never_generates(fleet, base, reference):
+    """A push of one tensor per bucket (many buckets) as the servers saw it, read from their
+    access logs: each server's liveness endpoint (/server_info) answered once for the whole push,
+    every bucket arrived, and nothing reached /health or /health_generate (a one-token
+    generation of at least 1 s each in SGLang 0.5.23). The push still lands (probe check)."""
+    fleet.update_weights(iter(buckets_of(perturbed(base, seed=8))), "warm-up")  # the group exists
+    logs = {url: m.server.log_path for url, m in fleet.members.items()}
+    start = {url: path.stat().st_size for url, path in logs.items()}
+    new = perturbed(base, seed=9)
+    buckets = buckets_of(new, per=1)
+    assert len(buckets) > 20
+    fleet.update_weights(iter(buckets), "many-buckets")
+    for url, path in logs.items():
+        with open(path, "rb") as f:
+            f.seek(start[url])
+            requests_seen = collections.Counter(re.findall(r'"(?:GET|POST) (/[^ ?"]*)', f.read().decode(errors="replace")))
+        assert requests_seen["/server_info"] == 1, (url, requests_seen)
+        assert requests_seen["/update_weights_from_distributed"] == len(buckets), (url, requests_seen)
+        assert requests_seen["/health"] == requests_seen["/health_generate"] == 0, (url, requests_seen)
+    probe = random_probe(seed=0)
+    trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
+    assert check_mismatch(fleet, probe, trainer, 0.05, "many-buckets").max_abs < TOL
 
 
 def test_a_server_killed_during_a_push_is_dropped_and_the_fleet_goes_on(fleet, base, reference):
