@@ -1,19 +1,24 @@
 """A rollout fleet of two real SGLang CPU servers (megadiv.rollout.fleet): prompt groups spread
 over the servers, every weight update reaching both over one broadcast group (probe check on
-each), a refusing server named in the error within the configured timeout, a killed one dropped
-during a push while the fleet goes on.
+each) with one liveness call per server per push and no generating health check, a refusing
+server named in the error within the configured timeout, a killed one dropped during a push
+while the fleet goes on.
 
 The module launches its two servers once (``rollout.num_servers: 2``, concurrently; 30-90 s on
 2 cores) and stops both process groups at the end; the last test kills one of them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +39,7 @@ from tests.test_rollout import TOL, base, buckets_of, hf_dir, perturbed, random_
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SYNC_TIMEOUT_S = 60.0
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +127,54 @@ def test_a_refusing_server_is_named_and_the_fleet_recovers(fleet, base, referenc
     assert fleet.weight_version == "step-5"
 
 
+def test_a_push_checks_each_server_once_and_never_generates(fleet, base, reference):
+    """A push of one tensor per bucket (many buckets) as the servers saw it, read from their
+    access logs: each server's liveness endpoint (/server_info) answered once for the whole push,
+    every bucket arrived, and nothing reached /health or /health_generate (a one-token
+    generation of at least 1 s each in SGLang 0.5.23). The push still lands (probe check)."""
+    fleet.update_weights(iter(buckets_of(perturbed(base, seed=8))), "warm-up")  # the group exists
+    logs = {url: m.server.log_path for url, m in fleet.members.items()}
+    start = {url: path.stat().st_size for url, path in logs.items()}
+    new = perturbed(base, seed=9)
+    buckets = buckets_of(new, per=1)
+    assert len(buckets) > 20
+    fleet.update_weights(iter(buckets), "many-buckets")
+    for url, path in logs.items():
+        with open(path, "rb") as f:
+            f.seek(start[url])
+            requests_seen = collections.Counter(re.findall(r'"(?:GET|POST) (/[^ ?"]*)', f.read().decode(errors="replace")))
+        assert requests_seen["/server_info"] == 1, (url, requests_seen)
+        assert requests_seen["/update_weights_from_distributed"] == len(buckets), (url, requests_seen)
+        assert requests_seen["/health"] == requests_seen["/health_generate"] == 0, (url, requests_seen)
+    probe = random_probe(seed=0)
+    trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
+    assert check_mismatch(fleet, probe, trainer, 0.05, "many-buckets").max_abs < TOL
+
+
+def test_bench_push_reports_the_ratio(fleet, hf_dir):
+    """benchmarks/bench_push.py attached to this module's two servers, in its quickest form (one
+    timed push each way): it prints seconds per bucket for the probing baseline and for the push,
+    and their ratio."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_push.py"), "--hf-dir", hf_dir,
+                          "--server-urls", *fleet.urls, "--bucket-kb", "64", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| baseline: /health on every server before each bucket |" in out.stdout, out.stdout
+    assert "| now: /server_info once per server per push |" in out.stdout, out.stdout
+    assert re.search(r"ratio baseline / now: \d+\.\dx", out.stdout), out.stdout
+
+
 def test_a_server_killed_during_a_push_is_dropped_and_the_fleet_goes_on(fleet, base, reference):
-    """Runs last: kills the second server's process group in the middle of a push, after the
-    broadcast group over both servers has carried two buckets. Before the third is sent the push
-    finds it gone (nothing is broadcast, so the survivor is not left waiting inside the broadcast
-    for the dead server's share), drops it (named, with the push that lost it), rebuilds the group
-    over the survivor and finishes there from the bucket in flight: the report counts the model
-    once, and so do the bytes broadcast; the survivor serves the new weights (probe check); the
-    next push (the next step's)
-    succeeds to the survivor. With the last server killed too, a generation fails in one line
-    naming it (tests/test_rollout_stream.py kills one mid-step)."""
+    """Runs last: kills the second server's process group in the middle of a push, once the
+    broadcast group over both servers has carried a bucket (the kill runs in the export thread,
+    as the third bucket is exported, so during or after the second's broadcast). Nothing probes
+    between buckets: the next broadcast finds it gone (its update request is refused, rank 0
+    aborts the group, which releases the survivor waiting in the collective), the push drops it
+    (named, with the push that lost it), rebuilds the group over the survivor and finishes there
+    from the bucket in flight: the report counts the model once, and the bytes broadcast count
+    the model plus that one bucket sent again; the survivor serves the new weights (probe check);
+    the next push (the next step's) succeeds to the survivor. With the last server killed too, a
+    generation fails in one line naming it (tests/test_rollout_stream.py kills one mid-step)."""
     (url_a, _), (url_b, b) = fleet.members.items()
     new = perturbed(base, seed=6)
     buckets = buckets_of(new, per=3)
@@ -146,7 +190,8 @@ def test_a_server_killed_during_a_push_is_dropped_and_the_fleet_goes_on(fleet, b
     report = fleet.update_weights(killing_b_after_two(buckets), "mid-push")
     assert fleet.urls == [url_a] and "lost during weight sync 'mid-push'" in fleet.dropped[url_b]
     assert (report.num_tensors, report.num_buckets, report.bytes) == (len(new), len(buckets), model_bytes)
-    assert report.bytes_sent == model_bytes  # bucket 2 went out once, to the survivor
+    resent = report.bytes_sent - model_bytes  # the bucket in flight went out again, nothing else did
+    assert resent in {sum(t.numel() * t.element_size() for _, t in bucket) for bucket in buckets[1:3]}, resent
     probe = random_probe(seed=0)
     trainer = reference.load(new).logprobs(probe.prompts, probe.responses)
     assert check_mismatch(fleet, probe, trainer, 0.05, "mid-push").max_abs < TOL

@@ -18,13 +18,15 @@ class; the fleet routes work to them and gathers it back:
 - **update_weights**: every bucket goes to every member. With ``distributed`` (the default for
   servers on GPUs of their own, and on CPU) over *one* process group spanning every TP rank of
   every server, so each bucket leaves the trainer once whatever the fleet's size, the next bucket
-  exported while this one is sent (weight_sync.exported_ahead). Every server must answer /health
-  before a bucket is broadcast; one that does not (dead before the sync or between its buckets)
-  is dropped before anything is sent, the group rebuilt over the others and the sync goes on from
-  that bucket; a server that refuses while alive fails the sync, named. Not handled: a server
-  that dies *inside* a broadcast leaves the others blocked in that collective (gloo and NCCL
-  alike, until SGLang's 30-minute group timeout), so the rebuilt group cannot form and the sync
-  fails (within rollout.sync_timeout_s, named). With
+  exported while this one is sent (weight_sync.exported_ahead). Every server must answer
+  /server_info (no generation) once, at the start of the push; nothing is probed per bucket. A
+  server that dies during the push fails the next broadcast (its update request is refused at
+  once, the group aborted: on gloo this releases the servers waiting in the collective); the
+  fleet then drops the servers that no longer answer /server_info, rebuilds the group over the
+  others and goes on from that bucket. A server that refuses while alive fails the sync, named.
+  Not handled: on NCCL, rank 0's abort does not release the servers waiting in the collective
+  (untested here), so the rebuilt group cannot form and the sync fails (within
+  rollout.sync_timeout_s, named). With
   ``tensor`` or ``disk`` each member runs its own sync in its own thread, fed the same bucket
   objects through a bounded queue (buckets produced once, at most ``QUEUE_DEPTH`` held per
   member); a refusing or dead server fails its own sync within ``rollout.sync_timeout_s``, named,
@@ -62,7 +64,7 @@ from megadiv.rollout.engine import (
 from megadiv.rollout.fleet_stream import FleetStream
 from megadiv.rollout.sglang_engine import SGLangEngine
 from megadiv.rollout.sglang_server import TrainerMemory
-from megadiv.rollout.weight_sync import answers, exported_ahead
+from megadiv.rollout.weight_sync import alive, answers, exported_ahead
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +211,13 @@ class FleetEngine:
     def _broadcast_to_all(self, buckets: Iterable[Bucket], version: str) -> SyncReport:
         """One process group over every TP rank of every server, so each bucket leaves the trainer
         once whatever the fleet's size. A server found lost when the sync fails (it no longer answers
-        /health; the member checks before each bucket, so none is sent) is dropped, the group is
-        rebuilt over the others and the sync goes on from the bucket that failed. A server that
-        refuses while alive fails the sync, named (a bad bucket would fail anywhere). One that dies
-        inside a broadcast leaves the survivors blocked in it: the rebuilt group cannot form, and
-        the sync fails within rollout.sync_timeout_s (see the module docstring). The report counts
-        the model once (buckets taken from the export) and every byte broadcast (bytes_sent)."""
+        /server_info: dead before the push, or its broadcast failed, which aborts the group) is
+        dropped, the group is rebuilt over the others and the sync goes on from the bucket that
+        failed. A server that refuses while alive fails the sync, named (a bad bucket would fail
+        anywhere). On NCCL the survivors of a broadcast that lost a server stay blocked in it: the
+        rebuilt group cannot form, and the sync fails within rollout.sync_timeout_s (see the module
+        docstring). The report counts the model once (buckets taken from the export) and every
+        byte broadcast (bytes_sent)."""
         t0 = time.perf_counter()
         drawn = [0, 0, 0]  # buckets, tensors, bytes taken from the export: the model, counted once
         last: list[Bucket] = []  # the bucket in flight, sent again after a rebuild
@@ -241,7 +244,8 @@ class FleetEngine:
                                            seconds=time.perf_counter() - t0,
                                            bytes_sent=sent_before + report.bytes_sent)
             except WeightSyncError as e:
-                lost = [url for url in self.members if not answers(url)]
+                urls = list(self.members)
+                lost = [url for url, ok in zip(urls, self._pool.map(alive, urls)) if not ok]
                 if not lost or len(lost) == len(self.members):
                     raise
                 sent_before += sync.bytes_sent

@@ -18,9 +18,11 @@ A weight sync (update_weights) sends every bucket to every server, by one of thr
 - disk: one safetensors file per bucket in a fresh directory, then ``/update_weights_from_disk``.
 
 distributed and tensor run inside SGLang's ``/begin_weight_update`` .. ``/end_weight_update``
-session (required by 0.5.23). Every update request flushes the radix cache (its KV came from the
-old weights; the server refuses if requests are running), and the weight version is set last. Each step has a timeout; a refusal or a dead server raises
-WeightSyncError naming the server and the version, and the session is closed again.
+session (required by 0.5.23). Every server must answer ``/server_info`` (no generation) once, at the
+start of the push; nothing is probed per bucket. Every update request flushes the radix cache (its
+KV came from the old weights; the server refuses if requests are running), and the weight version
+is set last. Each step has a timeout; a refusal or a dead server raises WeightSyncError naming the
+server and the version, and the session is closed again.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from megadiv.rollout.sglang_server import GpuPlacement, SGLangServer, TrainerMem
 from megadiv.rollout.weight_sync import (
     BroadcastGroup,
     Peer,
-    answers,
+    alive,
     check_bucket,
     flatten_bucket,
     post,
@@ -165,6 +167,12 @@ class SGLangEngine:
         began, target = [], None  # the servers whose session this sync opened (and must close)
         self.bytes_sent = 0
         try:
+            # once per push, concurrently: a server dead before the push is named before any session
+            # opens. A death later in the push is caught by the broadcast itself (BroadcastGroup:
+            # the dead server's request fails, the group is aborted), not by a probe per bucket.
+            dead = [u for u, ok in zip(self.urls, self._pool.map(alive, self.urls)) if not ok]
+            if dead:
+                raise RolloutError(f"{dead} do not answer /server_info: nothing sent")
             if method == "disk":
                 target = self._new_sync_dir(version)
             else:
@@ -216,12 +224,6 @@ class SGLangEngine:
         flat, fields = flatten_bucket(bucket)
         if flat.device.type != ("cuda" if self._group.backend == "nccl" else "cpu"):
             flat = flat.to("cuda" if self._group.backend == "nccl" else "cpu")
-        if len(self._peers) > 1:
-            # a server dead before the bucket is sent would leave the others blocked inside the
-            # broadcast, waiting for its share: check first, and send nothing if one is gone
-            dead = [u for u, alive in zip(self.urls, self._pool.map(answers, self.urls)) if not alive]
-            if dead:
-                raise RolloutError(f"{where}: {dead} do not answer /health: nothing sent")
         payload = dict(fields, group_name=self._group.name, flush_cache=True)
         futures = [(u, self._pool.submit(post, u, "/update_weights_from_distributed", payload, self.cfg.sync_timeout_s))
                    for u in self.urls]

@@ -66,11 +66,27 @@ def post(url: str, path: str, payload: dict, timeout_s: float) -> dict:
 
 
 def answers(url: str) -> bool:
-    """Whether the server answers /health (a dead or stopped one does not, within 10 s)."""
+    """Whether the server is ready to serve: it answers /health (a dead, stopped or still loading
+    one does not, within 10 s). In SGLang 0.5.23 /health is /health_generate, a one-token
+    generation that takes at least 1 s: a readiness check for start-up and rejoining, never used
+    by a push (:func:`alive`)."""
     try:
         return requests.get(url + "/health", timeout=10).status_code == 200
     except requests.RequestException:
         return False
+
+
+def alive(url: str) -> bool:
+    """Whether the server's scheduler answers /server_info within ``LIVENESS_TIMEOUT_S`` (a dead
+    or stopped one does not). Generates nothing: the scheduler reports its state between batches,
+    the round trip the weight-update requests need too. A push checks it once per server."""
+    try:
+        return requests.get(url + "/server_info", timeout=LIVENESS_TIMEOUT_S).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+LIVENESS_TIMEOUT_S = 10.0
 
 
 def read_manifest(hf_dir: str | Path) -> Manifest | None:
@@ -296,39 +312,46 @@ class BroadcastGroup:
         # communicator and blocks until every server joined, which a refusing server never does
         issued = self.pool.submit(self.pg.broadcast, [flat], opts)
         deadline = time.monotonic() + self.timeout_s
-        while not (issued.done() and (issued.exception() is not None or issued.result().is_completed())):
+        while not _finished(issued):
             for url, fut in requests_:
                 if fut.done() and fut.exception() is not None:
-                    self.abort()
+                    self.abort(issued)
                     raise WeightSyncError(f"{where}: server {url} refused the bucket: {fut.exception()}")
             if time.monotonic() > deadline:
-                self.abort()
+                self.abort(issued)
                 raise WeightSyncError(f"{where}: broadcast not received within {self.timeout_s:.0f} s "
                                       f"(rollout.sync_timeout_s) by {[u for u, _ in requests_]}")
             time.sleep(0.002)
         try:
             issued.result().wait()  # re-raises a gloo/NCCL error (e.g. a server died mid-transfer)
         except Exception as e:
-            self.abort()
+            self.abort(issued)
             raise WeightSyncError(f"{where}: broadcast failed: {e}") from None
 
-    def abort(self) -> None:
-        """Drop the group after a failed broadcast: the pending work would otherwise stay queued
-        on the communicator (NCCL: until the watchdog's timeout kills the process). NCCL's abort
-        cancels it at once (ncclCommAbort); a worker thread still waiting for a lazy NCCL
-        initialisation that no server joins is left behind, harmlessly. A gloo group is only
-        dropped: its abort and destroy wait for the pending work, which its own timeout ends in a
+    def abort(self, issued: Future | None = None) -> None:
+        """Drop the group after a failed broadcast (``issued``: this rank's part of it): the
+        pending work would otherwise stay queued on the communicator (NCCL: until the watchdog's
+        timeout kills the process). NCCL's abort cancels it at once (ncclCommAbort); a worker
+        thread still waiting for a lazy NCCL initialisation that no server joins is left behind,
+        harmlessly. A gloo group is destroyed once this rank's part is over, which closes its
+        connections: the servers still waiting in the collective for bytes relayed from here then
+        fail at once ("connection closed") instead of blocking until SGLang's 30-minute group
+        timeout, and answer their update request. A dead server ends that part at once (its
+        connection is closed); a live one that never joined keeps it pending, and destroying
+        would wait for it: that group is only dropped, and its own timeout ends the work in a
         background thread. The servers' ends go with /destroy_weights_update_group."""
         self.broken = True
-        if self.pg is None or self.backend != "nccl":
-            self.pg = None
+        if self.pg is None:
             return
-        try:
-            from torch.distributed.distributed_c10d import _abort_process_group
+        if self.backend == "nccl":
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
 
-            _abort_process_group(self.pg)
-        except Exception as e:  # aborting is best effort: the group is unusable either way
-            log.warning("aborting weight-update group %s: %s", self.name, e)
+                _abort_process_group(self.pg)
+            except Exception as e:  # aborting is best effort: the group is unusable either way
+                log.warning("aborting weight-update group %s: %s", self.name, e)
+        elif issued is None or _finished(issued, within_s=ABORT_GRACE_S):
+            dist.destroy_process_group(self.pg)
         self.pg = None
 
     def destroy(self, pool: ThreadPoolExecutor) -> None:
@@ -345,6 +368,22 @@ class BroadcastGroup:
 
 # Extra time the collectives get beyond rollout.sync_timeout_s: our deadline fires first.
 COLLECTIVE_GRACE_S = 60.0
+
+# How long an abort waits for this rank's part of a failed gloo broadcast to end: a server that
+# died ends it within milliseconds (its connection is closed).
+ABORT_GRACE_S = 2.0
+
+
+def _finished(issued: Future, within_s: float = 0.0) -> bool:
+    """Whether this rank's part of a broadcast (the Work returned by the call in ``issued``) is
+    over, successfully or not, polling up to ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if issued.done() and (issued.exception() is not None or issued.result().is_completed()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
 
 
 def _custom_group(backend: str, host: str, port: int, world_size: int, name: str, timeout_s: float):
