@@ -435,8 +435,10 @@ def test_a_killed_server_s_groups_are_resent_and_the_push_reaches_the_survivor(m
         weights = load_file(model / "model.safetensors")
         rank0.update_weights(iter([list(weights.items())]), "step-1")
         assert rank0.urls == [a.url] and rank0.weight_version == "step-1"
-        # a restart with the dead server still configured leaves it out, in one line, and goes on
-        restarted = FleetEngine(str(model), RolloutConfig(engine="sglang", server_urls=(a.url, killed.url)))
+        # a restart with the dead server still configured leaves it out, in one line, and goes on (after
+        # waiting rollout.startup_timeout_s for it to answer, as for a server still starting)
+        restarted = FleetEngine(str(model), RolloutConfig(engine="sglang", server_urls=(a.url, killed.url),
+                                                          startup_timeout_s=5))
         assert restarted.urls == [a.url] and "unreachable" in restarted.dropped[killed.url]
         restarted.shutdown()
         # the server comes back on its address: the next push gives it the weights, then it serves
