@@ -16,8 +16,8 @@ least-loaded healthy server (the GroupStream protocol of rollout/stream.py).
       cap = max(1, min(max_total_num_tokens // (n x tokens per sample), max_running_requests // n))
 
   (both summed over its DP ranks, from ``/v1/loads``), tokens per sample being the mean prompt
-  length plus the mean completion length of the groups back so far (``max_new_tokens / 2`` before
-  any, weighted as one group). A server with half the KV takes half the groups, and a wave larger
+  length plus the mean completion length of the groups this stream (a batch) has had back
+  (``max_new_tokens / 2`` before any, weighted as one group). A server with half the KV takes half the groups, and a wave larger
   than the fleet's KV waits here. ``rollout.max_inflight_groups`` sets every server's cap instead.
 - **Heartbeat**: while the stream is open every live server answers ``/health_generate`` (a
   one-token generation when idle) every ``rollout.heartbeat_s`` within
