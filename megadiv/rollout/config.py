@@ -67,7 +67,9 @@ class RolloutConfig:
     max_inflight_groups: int | None = None
     """GRPO groups one server generates at once (one request each); the rest wait in the trainer's
     stream and go to whichever server frees a slot first, so a slow server takes fewer. None: what
-    the server's batch holds, its max_running_requests / n_samples (docs/rollout.md)."""
+    the server's KV cache holds, its max_total_num_tokens / (n_samples x expected tokens per sample:
+    mean prompt + mean completion so far, max_new_tokens / 2 before any), at most its
+    max_running_requests / n_samples (docs/rollout.md)."""
     heartbeat_s: float = 10.0
     """While groups are generated, every server (launched or attached) answers /health_generate
     this often; one that misses it is dropped from the fleet and its groups are sent elsewhere."""
@@ -134,7 +136,7 @@ class RolloutConfig:
             if getattr(self, key) < 1:
                 fail(key, "must be >= 1")
         if self.max_inflight_groups is not None and self.max_inflight_groups < 1:
-            fail("max_inflight_groups", "must be >= 1 (or null: the server's batch size / n_samples)")
+            fail("max_inflight_groups", "must be >= 1 (or null: what each server's KV cache holds)")
         if self.temperature < 0:
             fail("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:

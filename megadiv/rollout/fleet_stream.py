@@ -8,10 +8,17 @@ least-loaded healthy server (the GroupStream protocol of rollout/stream.py).
 
 - **One request per group**: the ``n`` samples of a prompt go to one server as one batch of n
   copies, so its radix cache computes the prompt once.
-- **Least loaded, with a cap**: a group goes to the live server with the fewest groups in flight,
-  and a server holds at most ``rollout.max_inflight_groups`` (default: what its batch holds,
-  ``max_running_requests // n``). The rest wait here, not in one server's queue, so the server
-  that finishes first takes the next group and a slow server ends up with fewer.
+- **Least loaded, with a cap from the server's KV cache**: a group goes to the live server whose
+  in-flight groups fill the smallest share of its cap, and a server holds at most its cap; the
+  rest wait here, not in one server's queue, so the server that finishes first takes the next
+  group and a slow server ends up with fewer. The cap is what the server's KV cache holds,
+
+      cap = max(1, min(max_total_num_tokens // (n x tokens per sample), max_running_requests // n))
+
+  (both summed over its DP ranks, from ``/v1/loads``), tokens per sample being the mean prompt
+  length plus the mean completion length of the groups this stream (a batch) has had back
+  (``max_new_tokens / 2`` before any, weighted as one group). A server with half the KV takes half the groups, and a wave larger
+  than the fleet's KV waits here. ``rollout.max_inflight_groups`` sets every server's cap instead.
 - **Heartbeat**: while the stream is open every live server answers ``/health_generate`` (a
   one-token generation when idle) every ``rollout.heartbeat_s`` within
   ``rollout.heartbeat_timeout_s``. A server that misses it, refuses a connection or lets a request
@@ -21,7 +28,11 @@ least-loaded healthy server (the GroupStream protocol of rollout/stream.py).
   that error fails the stream (a bad request would fail everywhere).
 - **Abort**: ``abort_pending`` posts ``/abort_request {"abort_all": true}`` to every server with
   groups in flight (the stream is its servers' only client while it is open), forgets the queue,
-  and ignores the answers still to come. Aborted completions never come back as a group.
+  and waits until every request in flight has answered, aborting again the servers of those
+  still unanswered after ``ABORT_RETRY_S``: an abort reaches only the requests its server's
+  scheduler holds, so a request sent just before it (the top-up of the last ``next_done``, still
+  in transit or being tokenized) would otherwise run to its end. Aborted completions never come
+  back as a group.
 
 Threads: one daemon thread per request in flight and one heartbeat thread per server; they only
 put events on a queue. All state changes in the caller's thread (submit / next_done / abort), so
@@ -34,6 +45,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
@@ -47,6 +59,11 @@ from megadiv.rollout.stream import GroupResult, StreamStats
 from megadiv.rollout.weight_sync import post
 
 log = logging.getLogger(__name__)
+
+ABORT_RETRY_S = 1.0
+"""How long abort_pending waits for the aborted requests' answers before aborting their servers
+again. A request the scheduler held answers at its next iteration (a forward pass: well under a
+second on a GPU); one still running after this reached the server after the abort."""
 
 
 @dataclass
@@ -72,12 +89,14 @@ class FleetStream:
         self._events: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._load: dict[str, int] = {}      # groups in flight per live server
-        self._capacity: dict[str, int] = {}
+        self._kv: dict[str, tuple[int, int]] = {}  # (KV tokens, batch slots) per server, /v1/loads
+        self._prompt_tokens = self._prompts = 0          # over the groups submitted
+        self._completion_tokens = self._completions = 0  # over the completions back (unaborted)
         self._lost: dict[str, str] = {}      # server -> why it was dropped
         unreachable = {}
         for url in urls:
             try:
-                self._capacity[url] = self.cfg.max_inflight_groups or max(1, _batch_size(url) // params.n)
+                self._kv[url] = _kv_capacity(url)
             except requests.RequestException as e:
                 unreachable[url] = f"unreachable (dead?): /v1/loads: {e}"
                 continue
@@ -91,6 +110,8 @@ class FleetStream:
 
     def submit(self, key: Hashable, prompt: Sequence[int]) -> None:
         self._waiting.append(_Group(key, list(prompt)))
+        self._prompt_tokens += len(prompt)
+        self._prompts += 1
         self._dispatch()
 
     def next_done(self) -> GroupResult:
@@ -108,6 +129,9 @@ class FleetStream:
             if kind == "refused":
                 raise RolloutError(f"generation refused by {url}: {value}")
             self.stats.groups_by_server[url] = self.stats.groups_by_server.get(url, 0) + 1
+            done = [c for c in value if c.finish_reason != "abort"]  # an aborted one says nothing of lengths
+            self._completion_tokens += sum(len(c.token_ids) for c in done)
+            self._completions += len(done)
             self._dispatch()
             return GroupResult(group.key, group.prompt, value, url)
 
@@ -117,14 +141,12 @@ class FleetStream:
 
     def abort_pending(self) -> int:
         given_up = self.pending
-        for url in {g.server for g in self._sent.values()}:
-            try:
-                post(url, "/abort_request", {"abort_all": True}, self.cfg.heartbeat_timeout_s)
-            except RolloutError as e:  # its requests end anyway (request_timeout_s); their answers are ignored
-                log.warning("could not abort the requests running on %s: %s", url, e)
+        unanswered = {ticket: g.server for ticket, g in self._sent.items()}
+        for url in set(unanswered.values()):
             self._load[url] = 0
         self._sent.clear()
         self._waiting.clear()
+        self._abort(unanswered)
         self.stats.aborted_groups += given_up
         return given_up
 
@@ -132,15 +154,60 @@ class FleetStream:
         self.abort_pending()
         self._closed.set()
 
+    def _abort(self, unanswered: dict[int, str]) -> None:
+        """Abort the requests ``unanswered`` (ticket -> server) and wait until each has answered
+        (its answer is dropped), aborting their servers again every ABORT_RETRY_S: the request of
+        a group dispatched just before the abort may reach its server's scheduler after it. Within
+        rollout.heartbeat_timeout_s (what a live server takes at most to answer); past it, or where
+        the abort itself fails, the requests end by themselves at rollout.request_timeout_s."""
+        deadline, others = time.monotonic() + self.cfg.heartbeat_timeout_s, []
+        while unanswered and time.monotonic() < deadline:
+            for url in set(unanswered.values()):
+                try:
+                    post(url, "/abort_request", {"abort_all": True}, self.cfg.heartbeat_timeout_s)
+                except RolloutError as e:
+                    log.warning("could not abort the requests running on %s: %s", url, e)
+                    unanswered = {t: u for t, u in unanswered.items() if u != url}
+            retry = min(deadline, time.monotonic() + ABORT_RETRY_S)
+            while unanswered and (left := retry - time.monotonic()) > 0:
+                try:
+                    event = self._events.get(timeout=left)
+                except queue.Empty:
+                    break
+                if unanswered.pop(event[1], None) is None:  # a heartbeat's, or an answer ignored already
+                    others.append(event)
+        if unanswered:
+            log.warning("%d aborted requests on %s did not answer within rollout.heartbeat_timeout_s=%g s",
+                        len(unanswered), sorted(set(unanswered.values())), self.cfg.heartbeat_timeout_s)
+        for event in others:  # a lost server stays news for next_done
+            self._events.put(event)
+
     # ------------------------------------------------------------------ routing
+
+    def _caps(self) -> dict[str, int]:
+        """Groups each live server may hold in flight (see the module docstring)."""
+        if self.cfg.max_inflight_groups:
+            return dict.fromkeys(self._load, self.cfg.max_inflight_groups)
+        n = self.params.n
+        # one sample holds its prompt and its completion in the KV cache at its end; the prompt is
+        # counted for each of the n copies, as SGLang reserves it per request until its radix cache
+        # holds it. Completion: a running mean seeded with max_new_tokens / 2 (a length anywhere in
+        # [0, max_new_tokens]) weighted as one group of n, so the first group back moves it halfway
+        prompt = self._prompt_tokens / max(1, self._prompts)
+        completion = (n * self.params.max_new_tokens / 2 + self._completion_tokens) / (n + self._completions)
+        group_tokens = n * (prompt + completion)
+        return {url: max(1, min(int(self._kv[url][0] // group_tokens), self._kv[url][1] // n)) for url in self._load}
 
     def _dispatch(self) -> None:
         """Send waiting groups to the least-loaded servers with a free slot."""
+        caps = self._caps() if self._waiting else {}
         while self._waiting:
-            free = [u for u, n in self._load.items() if n < self._capacity[u]]
+            free = [u for u, n in self._load.items() if n < caps[u]]
             if not free:
                 return
-            url = min(free, key=self._load.__getitem__)  # ties: fleet order
+            # the smallest share of its cap, not the fewest groups: a server with twice the KV takes
+            # twice the groups before both are equally full (ties: fleet order)
+            url = min(free, key=lambda u: self._load[u] / caps[u])
             group = self._waiting.popleft()
             group.server, ticket = url, next(self._tickets)
             self._sent[ticket] = group
@@ -204,8 +271,11 @@ class FleetStream:
             return self._events.put(("lost", None, url, why))
 
 
-def _batch_size(url: str) -> int:
-    """The sequences a server runs at once (its max_running_requests, summed over its DP ranks)."""
+def _kv_capacity(url: str) -> tuple[int, int]:
+    """The tokens a server's KV cache holds and the sequences its batch runs at once
+    (max_total_num_tokens, max_running_requests), each summed over its DP ranks."""
     r = requests.get(url + "/v1/loads", timeout=60)
     r.raise_for_status()
-    return sum(int(load["max_running_requests"]) for load in r.json()["loads"])
+    loads = r.json()["loads"]
+    return (sum(int(load["max_total_num_tokens"]) for load in loads),
+            sum(int(load["max_running_requests"]) for load in loads))
