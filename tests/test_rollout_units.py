@@ -463,3 +463,24 @@ def test_retired_probe_keys_are_refused_with_their_replacement(key, replacement)
 def test_probe_prompts_are_spread_and_answers_cut_before_padding():
     assert spread(10, 4) == [0, 2, 5, 7] and spread(2, 4) == [0, 0, 1, 1]  # fewer problems than probe rows
     assert real_prefix([5, 99, 100, 3], real_vocab=100) == [5, 99] and real_prefix([100, 3], 100) == []
+
+
+@pytest.mark.parametrize("starts, expected_wait", [
+    ({"http://a": 10, "http://b": 12}, 12),         # both starting: until the later one answers
+    ({"http://a": 0, "http://b": None}, 5),         # one dead at a restart: the grace, not the start-up timeout
+    ({"http://a": 0, "http://b": 30}, 5),           # one far behind: left out, rejoins before a later push
+    ({"http://a": 20, "http://b": None}, 25),       # the grace runs from the first answer
+    ({"http://a": None, "http://b": None}, 600),    # none answers: the whole start-up timeout
+])
+def test_attached_servers_are_waited_for_until_each_answers_or_the_grace_after_the_first(monkeypatch, starts,
+                                                                                         expected_wait):
+    """fleet.wait_for_attached on a fake clock: servers answer /health from their start time on
+    (None: never); the start-up timeout is 600 s and the grace after the first answer 5 s."""
+    from megadiv.rollout import fleet
+
+    clock = [0.0]
+    monkeypatch.setattr(fleet.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(fleet.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(fleet, "answers", lambda url: starts[url] is not None and clock[0] >= starts[url])
+    fleet.wait_for_attached(list(starts), timeout_s=600, grace_s=5)
+    assert clock[0] == expected_wait

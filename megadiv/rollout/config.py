@@ -74,7 +74,8 @@ class RolloutConfig:
     """While groups are generated, every server (launched or attached) answers /health_generate
     this often; one that misses it is dropped from the fleet and its groups are sent elsewhere."""
     heartbeat_timeout_s: float = 60.0
-    """Longest a server may take to answer one heartbeat (a 1-token generation when idle)."""
+    """Longest a server may take to answer one heartbeat (a 1-token generation when idle); also how
+    long attached servers still silent at start-up are waited for once another answers."""
 
     handoff_timeout_s: float = 7200.0
     """Longest a trainer rank waits for the rollout driver: a batch, the engine going quiet before a

@@ -81,7 +81,7 @@ class FleetEngine:
         """``trainer_memory``: as for one SGLangEngine; launched server i gets its own GPUs
         (``--base-gpu-id``, sglang_server.place_server with index i)."""
         if cfg.server_urls:
-            wait_for_attached(cfg.server_urls, cfg.startup_timeout_s)
+            wait_for_attached(cfg.server_urls, cfg.startup_timeout_s, cfg.heartbeat_timeout_s)
             configs = [cfg.attached([url]) for url in cfg.server_urls]
         else:  # launch cfg.num_servers, concurrently (CPU start-up takes 20-80 s each)
             configs = [dataclasses.replace(cfg, num_servers=1) for _ in range(cfg.num_servers)]
@@ -318,22 +318,28 @@ class FleetEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def wait_for_attached(urls: Sequence[str], timeout_s: float) -> None:
+def wait_for_attached(urls: Sequence[str], timeout_s: float, grace_s: float) -> None:
     """Servers at rollout.server_urls may still be starting (docs/install.md starts one in the
     background and the trainer at once; a server loads its model before it answers): wait until
-    each answers /health, up to ``timeout_s`` (rollout.startup_timeout_s), with one line naming
-    those it waits for. One that never answers is left out by the caller, as a dead one is."""
+    each answers /health, with one line naming those it waits for, up to ``timeout_s``
+    (rollout.startup_timeout_s) for the first, and ``grace_s`` (rollout.heartbeat_timeout_s) more
+    for the rest once one answers: a server dead at a restart then delays it by the grace, not the
+    start-up timeout. One that never answers is left out by the caller, as a dead one is, and
+    rejoins before a later push when it answers (FleetEngine._rejoin)."""
     waiting = [u for u in urls if not answers(u)]
     if not waiting:
         return
     log.warning("waiting up to %.0f s (rollout.startup_timeout_s) for attached SGLang servers to answer: %s",
                 timeout_s, waiting)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (min(timeout_s, grace_s) if len(waiting) < len(urls) else timeout_s)
     while waiting and time.monotonic() < deadline:
         time.sleep(1.0)
+        before = len(waiting)
         waiting = [u for u in waiting if not answers(u)]
+        if len(waiting) < before:   # one more serves: the rest get the grace from now on
+            deadline = min(deadline, time.monotonic() + grace_s)
     if waiting:
-        log.warning("attached SGLang servers %s did not answer within %.0f s", waiting, timeout_s)
+        log.warning("attached SGLang servers %s did not answer: serving without them for now", waiting)
 
 
 class _Feed:
