@@ -166,7 +166,11 @@ def test_rank0_counts_the_sync_buffers_and_the_host_memory_of_a_checkpoint(capsy
     checkpoint gathers, its staged share of the weights and the batch. A host too small for that
     makes the layout not fit."""
     from megadiv.cli.plan import QUEUE_DEPTH
-    from megadiv.models.plan import BATCH_BYTES_PER_TOKEN, NCCL_COMMUNICATOR_BYTES
+    from megadiv.models.plan import (
+        DRIVER_PROMPT_BYTES_PER_TOKEN,
+        DRIVER_RESPONSE_BYTES_PER_TOKEN,
+        NCCL_COMMUNICATOR_BYTES,
+    )
 
     def plan(servers: int, *extra: str) -> dict:
         urls = ",".join(f"http://node{i}:30000" for i in range(servers))
@@ -184,8 +188,11 @@ def test_rank0_counts_the_sync_buffers_and_the_host_memory_of_a_checkpoint(capsy
     first = disk["stages"][0]["components"]
     assert first["sync_communicators"] == 0 and first["weight_sync_buckets"] == bucket * (1 + 1 + QUEUE_DEPTH + 1)
     host = four["host_components"]
-    tokens = 64 * 8 * (512 + 2048)  # prompts_per_step x n_samples x (prompt + rollout.max_new_tokens)
-    assert host["batch"] == tokens * BATCH_BYTES_PER_TOKEN
+    # the driver's lists: prompts_per_step x n_samples responses of rollout.max_new_tokens, each
+    # prompt's 512 tokens once; with grpo.overlap the batch generated ahead too
+    batch = 64 * 8 * 2048 * DRIVER_RESPONSE_BYTES_PER_TOKEN + 64 * 512 * DRIVER_PROMPT_BYTES_PER_TOKEN
+    assert host["driver_batch"] == batch
+    assert plan(4, "grpo.overlap=true", "loss.tis_cap=2.0")["host_components"]["driver_batch"] == 2 * batch
     # the first stage's slice in model space: 3 fp32 tensors (main weight, two moments); at DP=1 the
     # GPU's fp32 main weights are the whole slice
     assert host["optimizer_state_gathered"] == 3 * four["stages"][0]["components"]["main_params_fp32"]
@@ -257,3 +264,69 @@ def test_every_gpu_of_node_0_generates_in_the_colocated_recipes(capsys, model):
     assert f"generation: {servers['count']} SGLang server(s) of TP={servers['tp']} on GPUs 0-7 of node 0" in out
     rc, _, err = plan_cli(capsys, *args, f"rollout.num_servers={servers['count'] + 1}")
     assert rc == 2 and f"needs {8 + servers['tp']} GPUs on node 0, which has 8" in err
+
+
+def test_the_drivers_batch_costs_what_the_planner_charges_per_token():
+    """The rollout driver's Experience (Python lists of ints and floats) re-measured with tracemalloc:
+    within 10% of the planner's bytes per response and per prompt token."""
+    import random
+    import tracemalloc
+
+    from megadiv.divergence import AdvantageConfig
+    from megadiv.models.plan import DRIVER_PROMPT_BYTES_PER_TOKEN, DRIVER_RESPONSE_BYTES_PER_TOKEN
+    from megadiv.rollout import Completion
+    from megadiv.trainer.experience import build_experience
+    groups, group_size, prompt_len, response_len = 8, 8, 512, 1024
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:  # token ids past CPython's small-int cache, as a 150k vocabulary's are
+        prompts = [[rng.randrange(1000, 150_000) for _ in range(prompt_len)] for _ in range(groups)]
+        prompt_bytes = tracemalloc.get_traced_memory()[0]
+        completions = [[Completion([rng.randrange(1000, 150_000) for _ in range(response_len)],
+                                   [-rng.random() for _ in range(response_len)], "length", "v0")
+                        for _ in range(group_size)] for _ in range(groups)]
+        experience = build_experience(prompts, completions, [float(i % 2) for i in range(groups * group_size)],
+                                      ["correct"] * (groups * group_size), AdvantageConfig(group_size=group_size),
+                                      response_len)
+        total = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(experience) == groups * group_size
+    per_prompt_token = prompt_bytes / (groups * prompt_len)
+    per_response_token = (total - prompt_bytes) / (groups * group_size * response_len)
+    assert abs(per_prompt_token / DRIVER_PROMPT_BYTES_PER_TOKEN - 1) < 0.1, per_prompt_token
+    assert abs(per_response_token / DRIVER_RESPONSE_BYTES_PER_TOKEN - 1) < 0.1, per_response_token
+
+
+@pytest.mark.parametrize("algorithm, passes", [("dapo", 2 + 6), ("grpo", 2 + 2 + 6)])
+def test_checkpoint_every_is_youngs_rule_over_the_printed_assumptions(capsys, algorithm, passes):
+    """Recomputed by hand from what --json prints: step seconds from FLOPs (old-policy pass 2,
+    training 6, a KL's reference pass 2 per token and active parameter) at the stated MFUs, blocking
+    seconds from rank 0's host bytes at the stated copy bandwidth, the MTBF per node over the nodes;
+    checkpoint.node_mtbf_hours moves the recommendation as sqrt(MTBF)."""
+    import math
+
+    def advice(*extra: str) -> tuple[dict, dict]:
+        rc, out, err = plan_cli(capsys, *recipe_args("qwen3-32b", algorithm, 8), "--json", *extra)
+        assert rc == 0, err
+        plan = json.loads(out)
+        return plan, plan["checkpoint_interval"]
+
+    plan, a = advice()
+    k, host = a["assumptions"], plan["host_components"]
+    assert a["flops_per_token_per_parameter"] == passes and a["nodes"] == 8 and a["train_gpus"] == 64
+    assert a["train_tokens"] == 64 * 8 * (512 + 2048) and a["generated_tokens"] == 64 * 8 * 2048
+    assert a["active_parameters"] == plan["parameters"] and a["generation_gpus"] == 8  # one TP8 server
+    train = passes * a["active_parameters"] * a["train_tokens"] / (64 * k["GPU_PEAK_FLOPS"] * k["TRAIN_MFU"])
+    generation = 2 * a["active_parameters"] * a["generated_tokens"] / (8 * k["GPU_PEAK_FLOPS"] * k["DECODE_MFU"])
+    blocking = ((k["GATHERED_STATE_HOST_COPIES"] * host["optimizer_state_gathered"] + host["checkpoint_staging"])
+                / k["HOST_COPY_BYTES_PER_S"])
+    mtbf = a["node_mtbf_hours"] * 3600 / 8
+    assert a["step_s"] == pytest.approx(train + generation) and a["blocking_s"] == pytest.approx(blocking)
+    assert a["every"] == max(1, round(math.sqrt(2 * blocking * mtbf) / (train + generation)))
+    _, overlapped = advice("grpo.overlap=true", "loss.tis_cap=2.0")
+    assert overlapped["step_s"] == pytest.approx(max(train, generation))
+    _, rare = advice(f"checkpoint.node_mtbf_hours={a['node_mtbf_hours'] * 4}")
+    assert rare["every"] == round(math.sqrt(2 * blocking * 4 * mtbf) / (train + generation)) > a["every"]
+    rc, out, _ = plan_cli(capsys, *recipe_args("qwen3-32b", algorithm, 8))
+    assert f"checkpoint.every: {a['every']} recommended" in out and "0.35 MFU" in out

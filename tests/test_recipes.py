@@ -169,3 +169,18 @@ def test_every_recipe_passes_check_config_without_sglang_in_the_trainer(tmp_path
                     if launched[model] else "rollout.sync_method: distributed")
         assert expected in report, (model.name, report)
     assert sum("auto -> tensor" in r for r in reports) == 6        # all but the 235B one launch their servers
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda p: p.stem)
+def test_gsm8k_recipes_ship_the_planners_checkpoint_interval(capsys, model):
+    """checkpoint.every in each model recipe is `megadiv plan`'s recommendation for DAPO at the
+    recipe's node count (its torchrun line's --nnodes; one node without one)."""
+    from megadiv.cli import main
+    text = model.read_text()
+    nodes = re.search(r"--nnodes (\d+)", text)
+    rc = main(["plan", str(EXAMPLES / "gsm8k" / "task.yaml"), str(model), str(EXAMPLES / "gsm8k" / "algorithms" / "dapo.yaml"),
+               "--hf-config", str(shipped_config_dir(model) / "config.json"), "--nodes", nodes[1] if nodes else "1",
+               "--gpus-per-node", "8", "--gpu-memory-gib", "80", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert yaml.safe_load(text)["checkpoint"]["every"] == json.loads(out.out)["checkpoint_interval"]["every"]

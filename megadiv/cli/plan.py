@@ -4,7 +4,9 @@ Per-GPU memory of a run before it is launched (megadiv.models.plan): by componen
 configured TP x PP (DP is what the world leaves; with experts the configured EP and ETP), whether
 it fits, and the smallest TP x PP (with experts, and EP and ETP) that fits. The architecture comes from
 ``model.hf_dir/config.json``, or before the checkpoint is on disk from ``--hf-config FILE`` or the
-recipe model's public config in examples/hf_configs/ (stand_in.py).
+recipe model's public config in examples/hf_configs/ (stand_in.py). It also recommends
+checkpoint.every from an estimated step time, an estimated checkpoint blocking time and
+checkpoint.node_mtbf_hours (Young's rule), printing every assumption.
 """
 from __future__ import annotations
 
@@ -15,9 +17,22 @@ import sys
 from megadiv.cli.stand_in import add_hf_config_argument, hf_config_stand_in
 from megadiv.cli.train import add_config_arguments, load_train_config
 from megadiv.config import ConfigError
+from megadiv.models import plan as estimates
 from megadiv.models.families import arch_from_hf_config
 from megadiv.models.hf_config import load_hf_config
-from megadiv.models.plan import BATCH_BYTES_PER_TOKEN, GiB, Layout, Plan, Workload, candidate_layouts, plan_layout
+from megadiv.models.plan import (
+    GiB,
+    Layout,
+    Plan,
+    StepEstimate,
+    Workload,
+    candidate_layouts,
+    checkpoint_blocking_s,
+    driver_batch_bytes,
+    parameter_count,
+    plan_layout,
+    young_interval_steps,
+)
 from megadiv.rollout.fleet import QUEUE_DEPTH
 from megadiv.trainer.config import TrainConfig
 
@@ -74,15 +89,18 @@ def run(args: argparse.Namespace) -> int:
               f"does not split into whole grpo.micro_batch_size={cfg.grpo.micro_batch_size} micro-batches over "
               f"DP={cfg.parallel.data_parallel_size(world)}, or the layers over PP={pp}", file=sys.stderr)
         return 2
+    advice = checkpoint_advice(cfg, configured, step_estimate(cfg, arch, world, args.gpus_per_node, args.prompt_tokens, servers), args.nodes)
     smallest = next((p for p in map(plan_for, candidate_layouts(arch, world, args.gpus_per_node))
                      if p is not None and p.fits), None)
     if args.json:
         print(json.dumps(configured.as_dict() | {
             "nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_memory_gib": args.gpu_memory_gib,
             "seq_len": args.prompt_tokens + cfg.rollout.max_new_tokens, "launched_servers": servers,
+            "checkpoint_interval": advice,
             "smallest_fitting_layout": smallest.as_dict()["layout"] if smallest else None}, indent=2))
     else:
         print(table(configured, args, cfg))
+        print(advice_text(advice, cfg))
         if servers:
             print(f"generation: {servers['count']} SGLang server(s) of TP={servers['tp']} on GPUs "
                   f"0-{servers['gpus'] - 1} of node 0, each GPU giving it {cfg.rollout.mem_fraction_static:g} of its "
@@ -99,8 +117,8 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
              host_bytes_per_rank: int) -> Workload | None:
     """The run's per-GPU work at ``layout``; None when its batch does not split over layout.dp."""
     rows = cfg.grpo.prompts_per_step * cfg.rollout.n_samples
-    batch_host_bytes = (rows * (prompt_tokens + cfg.rollout.max_new_tokens) * BATCH_BYTES_PER_TOKEN
-                        * (2 if cfg.grpo.overlap else 1))
+    batch_host_bytes = driver_batch_bytes(cfg.grpo.prompts_per_step, cfg.rollout.n_samples, prompt_tokens,
+                                          cfg.rollout.max_new_tokens, 2 if cfg.grpo.overlap else 1)
     per_mini = rows // cfg.grpo.mini_batches
     if per_mini % (layout.dp * cfg.grpo.micro_batch_size):
         return None
@@ -132,6 +150,63 @@ def workload(cfg: TrainConfig, layout: Layout, prompt_tokens: int, reserve_bytes
         rank0_queued_buckets=QUEUE_DEPTH + 1 if servers > 1 and not broadcasts else 0,
         rank0_communicators=int(broadcasts),
         batch_host_bytes=batch_host_bytes, host_bytes_per_rank=host_bytes_per_rank)
+
+
+def flops_per_token_per_parameter(cfg: TrainConfig) -> int:
+    """The passes one step makes over its rows (trainer/grpo.py _optimize), at 2 FLOPs per parameter
+    per token forward and 4 backward: the reference's log-probs (with a reference model), the
+    old policy's (several updates per batch, or a KL in the reward), then ppo_epochs training passes
+    (forward + backward, one more forward with full recompute, and the reference's forward again
+    for a vocabulary regulariser)."""
+    g = cfg.grpo
+    old = g.ppo_epochs * g.mini_batches > 1 or (cfg.loss.kl_coef > 0 and cfg.loss.kl_placement == "reward")
+    train = 6 + 2 * (cfg.model.recompute_granularity == "full") + 2 * cfg.uses_vocab_regularizer
+    return 2 * cfg.needs_reference + 2 * old + g.ppo_epochs * train
+
+
+def step_estimate(cfg: TrainConfig, arch, world: int, gpus_per_node: int, prompt_tokens: int,
+                  servers: dict | None) -> StepEstimate:
+    """The step's workload: the servers' GPUs generate (launched: ``servers``; an attached one,
+    whose size the config does not say, counted as one node's GPUs), the trainer's ranks with the
+    embedded engine."""
+    r = cfg.rollout
+    gpus = (servers["gpus"] if servers else len(r.server_urls) * gpus_per_node) if r.engine != "embedded" else world
+    rows = cfg.grpo.prompts_per_step * r.n_samples
+    return StepEstimate(parameter_count(arch, active=True), rows * (prompt_tokens + r.max_new_tokens),
+                        rows * r.max_new_tokens, flops_per_token_per_parameter(cfg), world, gpus, cfg.grpo.overlap)
+
+
+def checkpoint_advice(cfg: TrainConfig, plan: Plan, step: StepEstimate, nodes: int) -> dict:
+    """checkpoint.every from Young's rule, with every figure and assumption it comes from."""
+    blocking = checkpoint_blocking_s(plan.host)
+    mtbf_s = cfg.checkpoint.node_mtbf_hours * 3600 / nodes
+    return {"every": young_interval_steps(blocking, mtbf_s, step.step_s), "step_s": step.step_s,
+            "train_s": step.train_s, "generation_s": step.generation_s, "blocking_s": blocking, "mtbf_s": mtbf_s,
+            "node_mtbf_hours": cfg.checkpoint.node_mtbf_hours, "nodes": nodes,
+            "active_parameters": step.active_parameters, "train_tokens": step.train_tokens,
+            "generated_tokens": step.generated_tokens,
+            "flops_per_token_per_parameter": step.flops_per_token_per_parameter, "train_gpus": step.train_gpus,
+            "generation_gpus": step.generation_gpus, "overlap": step.overlap,
+            "assumptions": {name: getattr(estimates, name) for name in (
+                "GPU_PEAK_FLOPS", "TRAIN_MFU", "DECODE_MFU", "HOST_COPY_BYTES_PER_S", "GATHERED_STATE_HOST_COPIES")}}
+
+
+def advice_text(a: dict, cfg: TrainConfig) -> str:
+    k = a["assumptions"]
+    combine = "the longer of" if a["overlap"] else "the sum of"
+    return "\n".join([
+        f"checkpoint.every: {a['every']} recommended (configured: {cfg.checkpoint.every}): Young's rule "
+        f"sqrt(2 x {a['blocking_s']:.1f} s blocking x {a['mtbf_s'] / 3600:.0f} h MTBF) / {a['step_s']:.0f} s per step",
+        f"  estimated step: {combine} training {a['flops_per_token_per_parameter']} x "
+        f"{a['active_parameters'] / 1e9:.2f}B x {a['train_tokens']:,} tokens on {a['train_gpus']} GPUs at "
+        f"{k['TRAIN_MFU']:g} MFU ({a['train_s']:.0f} s) and generation 2 x "
+        f"{a['active_parameters'] / 1e9:.2f}B x {a['generated_tokens']:,} tokens on "
+        f"{a['generation_gpus']} GPUs{' (one node per attached server)' if cfg.rollout.server_urls else ''} at "
+        f"{k['DECODE_MFU']:g} MFU ({a['generation_s']:.0f} s), "
+        f"{k['GPU_PEAK_FLOPS'] / 1e12:g} TFLOP/s peak per GPU",
+        f"  estimated blocking: {k['GATHERED_STATE_HOST_COPIES']} host copies of the gathered optimizer state + "
+        f"the staged weights at {k['HOST_COPY_BYTES_PER_S'] / 1e9:g} GB/s; MTBF: checkpoint.node_mtbf_hours="
+        f"{a['node_mtbf_hours']:g} / {a['nodes']} nodes"])
 
 
 def launched_servers(cfg: TrainConfig, gpus_per_node: int) -> dict | None:
@@ -171,6 +246,6 @@ def table(plan: Plan, args: argparse.Namespace, cfg: TrainConfig) -> str:
         f"worst GPU: {plan.worst.total / GiB:.1f} of {args.gpu_memory_gib:g} GiB: {verdict}; activations with "
         f"full recompute: {plan.activations_with_recompute / GiB:.2f} GiB; weights per replica "
         f"{plan.weight_bytes_per_replica / GiB:.1f} GiB",
-        "host memory of rank 0: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.host.items())
+        "host memory of rank 0 and the rollout driver beside it: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.host.items())
         + f" GiB; {plan.host_total / GiB:.1f} of {plan.host_bytes_per_rank / GiB:g} GiB per rank "
         f"({args.host_memory_gib:g} GiB per node): {'fits' if plan.host_fits else 'does NOT fit'}", *plan.notes])

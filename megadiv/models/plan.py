@@ -123,8 +123,9 @@ class Workload:
     rank0_communicators: int = 0
     """NCCL communicators global rank 0 opens for weight syncs (the fleet's one broadcast group)."""
     batch_host_bytes: int = 0
-    """Host bytes of the batches global rank 0 (the rollout driver) holds: the batch trained on,
-    and with grpo.overlap the one generated ahead."""
+    """Host bytes of the batches the rollout driver holds on node 0 (its own process beside global
+    rank 0 with SGLang, rank 0 itself with the embedded engine): the batch trained on, and with
+    grpo.overlap the one generated ahead (:func:`driver_batch_bytes`)."""
     host_bytes_per_rank: int = 0
     """Host memory of a node divided by its ranks (0: not checked)."""
     reserve_bytes: int = 3 * GiB
@@ -399,12 +400,24 @@ NCCL_COMMUNICATOR_BYTES = 32 * 2 * (4 << 20)
 """GPU memory one NCCL communicator takes, estimated (not measured here): NCCL's default 4 MiB
 buffer (NCCL_BUFFSIZE) per channel and direction, at the up-to-32 channels NVLink/InfiniBand
 nodes get; 256 MiB."""
-BATCH_BYTES_PER_TOKEN = 8 + 4 + 4 + 4 + 1
-"""Host bytes the rollout driver keeps per token of a batch: the token id (int64), the rollout,
-old-policy and reference log-probs (fp32) and the loss mask (bool)."""
+DRIVER_RESPONSE_BYTES_PER_TOKEN = 74
+"""Host bytes the rollout driver's batch (trainer/experience.py Experience) holds per response
+token, as Python lists: the token id (an int object, 32 B as allocated, and its 8 B list slot) and
+its rollout log-prob (a float, 24 + 8 B), plus list growth. Measured with tracemalloc on CPython
+3.11 over build_experience of 128 rows of 2,048 random token ids (tests/test_plan.py re-measures it)."""
+DRIVER_PROMPT_BYTES_PER_TOKEN = 40
+"""... and per prompt token, once per prompt: a group's rows share their prompt's list (measured
+alike: 40 B)."""
 MODEL_SPACE_OPTIMIZER_BYTES = 3 * 4
 """Bytes per parameter of the distributed optimizer's state in model space (fp32 main weight,
 exp_avg, exp_avg_sq): what the 'fully_reshardable' checkpoint format gathers on every DP rank's host."""
+
+
+def driver_batch_bytes(prompts: int, samples: int, prompt_tokens: int, response_tokens: int, batches: int) -> int:
+    """Host bytes of ``batches`` rollout batches in the driver: ``prompts`` x ``samples`` rows of
+    ``response_tokens`` each, and each prompt's ``prompt_tokens`` once."""
+    return batches * prompts * (samples * response_tokens * DRIVER_RESPONSE_BYTES_PER_TOKEN
+                                + prompt_tokens * DRIVER_PROMPT_BYTES_PER_TOKEN)
 
 
 def host_bytes(params: list[Param], params_dtype: str, optimizer: str, dp: int, expert_dp: int | None = None
@@ -526,7 +539,8 @@ def plan_layout(arch: ArchSpec, layout: Layout, work: Workload, gpu_bytes: int,
         stages.append(StagePlan(stage, layers, components))
         recompute = max(recompute, held * (layers * layer_input + boundary) + per_layer)
     first_params = stage_params(arch, layout.tp, layout.pp, 0, stage_layers, ep=layout.ep, etp=layout.expert_tp)
-    host = host_bytes(first_params, dt, work.optimizer, layout.dp, layout.expert_dp) | {"batch": work.batch_host_bytes}
+    host = host_bytes(first_params, dt, work.optimizer, layout.dp, layout.expert_dp) | {
+        "driver_batch": work.batch_host_bytes}
     notes = []
     if in_flight > 1:
         notes.append(f"1F1B keeps up to {in_flight} micro-batches of activations on the first stage")
@@ -581,3 +595,73 @@ def candidate_layouts(arch: ArchSpec, world: int, gpus_per_node: int) -> list[La
                 out += [Layout(tp, pp, dp, 1 << i, etp) for i in range(ranks.bit_length())
                         if not ranks % (1 << i) and not arch.num_experts % (1 << i) and (etp == tp or i > 0)]
     return sorted(out, key=lambda lay: (lay.tp * lay.pp, lay.pp, -lay.ep, -lay.expert_tp))
+
+
+# --------------------------------------------------------------------------- checkpoint interval
+# Estimates, not measurements (no GPU cluster here): each assumption is a named constant that
+# megadiv plan prints beside the figures it gives.
+
+GPU_PEAK_FLOPS = 989e12
+"""Dense bf16 FLOP/s of one H100 SXM (NVIDIA's datasheet: 1,979 TFLOP/s with 2:4 sparsity, half without)."""
+TRAIN_MFU = 0.35
+"""Assumed model-FLOPs utilisation of the training passes: below the ~40-47% megatron-core reports
+for dense GPT pre-training on H100s, since RL micro-batches are few per step (pipeline bubbles) and
+their rows vary in length."""
+DECODE_MFU = 0.10
+"""Assumed utilisation of batched decoding (2 FLOPs per active parameter per token): each decode
+step streams every weight from HBM for a batch bounded by the KV cache, so decoding is
+memory-bound far below peak."""
+HOST_COPY_BYTES_PER_S = 10e9
+"""Assumed host-memory copy bandwidth of one rank while the 8 ranks of its node copy at once
+(a single-threaded memcpy on a server CPU)."""
+GATHERED_STATE_HOST_COPIES = 3
+"""Host copies a rank makes of its model-space optimizer state in a 'fully_reshardable' save before
+training goes on (megatron-core 0.16.1: gathered into DP-shaped buffers, transformed into the
+canonical per-parameter tensors, then staged for the background writer)."""
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Seconds of one GRPO step, estimated: training FLOPs over the trainer's GPUs at TRAIN_MFU,
+    plus (or, with grpo.overlap, beside) generation at DECODE_MFU over the servers' GPUs."""
+
+    active_parameters: int
+    """Parameters one token passes through (a mixture of experts: its top-k experts only)."""
+    train_tokens: int
+    """Tokens the trainer passes over per step: rows x (prompt + max_new_tokens), every response
+    at full length (an upper bound, as the memory plan)."""
+    generated_tokens: int
+    """rows x max_new_tokens."""
+    flops_per_token_per_parameter: int
+    """2 per forward pass, 6 per forward + backward: the passes a step makes (cli/plan.py)."""
+    train_gpus: int
+    generation_gpus: int
+    overlap: bool
+    """grpo.overlap: the next batch is generated while this one trains."""
+
+    @property
+    def train_s(self) -> float:
+        return (self.flops_per_token_per_parameter * self.active_parameters * self.train_tokens
+                / (self.train_gpus * GPU_PEAK_FLOPS * TRAIN_MFU))
+
+    @property
+    def generation_s(self) -> float:
+        return 2 * self.active_parameters * self.generated_tokens / (self.generation_gpus * GPU_PEAK_FLOPS * DECODE_MFU)
+
+    @property
+    def step_s(self) -> float:
+        return max(self.train_s, self.generation_s) if self.overlap else self.train_s + self.generation_s
+
+
+def checkpoint_blocking_s(host: dict[str, int]) -> float:
+    """Seconds a save blocks training on rank 0, estimated: its model-space optimizer state copied
+    GATHERED_STATE_HOST_COPIES times and its share of the weights staged once, at HOST_COPY_BYTES_PER_S."""
+    return ((GATHERED_STATE_HOST_COPIES * host["optimizer_state_gathered"] + host["checkpoint_staging"])
+            / HOST_COPY_BYTES_PER_S)
+
+
+def young_interval_steps(blocking_s: float, mtbf_s: float, step_s: float) -> int:
+    """Young's rule (1974): saving every sqrt(2 x C x M) seconds, for a save blocking C seconds and
+    a mean time M between failures, minimises the expected time lost to saves plus recomputation;
+    in whole steps of ``step_s``, at least one."""
+    return max(1, round(math.sqrt(2 * blocking_s * mtbf_s) / step_s))
