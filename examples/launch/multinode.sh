@@ -8,7 +8,9 @@
 # surviving launchers stop their ranks, rendezvous again and start them afresh, which resume from
 # the newest intact checkpoint (an attempt that wrote no checkpoint is not retried). MIN_NODES
 # (NNODES): fewer nodes the job may go on with (torchrun's elastic --nnodes MIN_NODES:NNODES; the
-# checkpoint resumes at the smaller data-parallel size); with MIN_NODES=NNODES the launchers wait
+# checkpoint resumes at the smaller data-parallel size, which must exist: nodes x GPUs a multiple of
+# TP x PP with the batch splitting over the new DP, else the resume is refused, e.g. never for the
+# 32B recipes at 2 or 4 nodes: docs/scaling.md); with MIN_NODES=NNODES the launchers wait
 # for a replacement node (a launcher started again with the same RUN_ID) as long as the
 # rendezvous allows (RDZV_TIMEOUT, 900 s: also how long an agent waits on the others' rendezvous
 # records, torchrun's read_timeout, 60 s by default, which a slow node's restart can pass). Node 0 hosts the rendezvous: the job ends with it.
