@@ -158,17 +158,32 @@ def test_every_recipe_passes_check_config_without_sglang_in_the_trainer(tmp_path
     runs = [[str(EXAMPLES / "gsm8k" / "task.yaml"), str(m), str(EXAMPLES / "gsm8k" / "algorithms" / "grpo.yaml"),
              f"run.output_dir={tmp_path}", "--world-size", str(recipe_world_size(m))]
             + ([f"rollout.server_python={server_python}"] if launched[m] else []) for m in MODELS]
+    # the other GPU recipes (ATR-GRPO on the Qwen3-1.7B recipe, GBMPO) and the CPU ones with a server
+    others = [[str(EXAMPLES / "gsm8k" / "task.yaml"), str(EXAMPLES / "gsm8k" / "models" / "qwen3-1.7b.yaml"),
+               str(EXAMPLES / "gsm8k" / "algorithms" / "grpo.yaml"), str(EXAMPLES / "atr_grpo" / "task.yaml"),
+               str(EXAMPLES / "atr_grpo" / "atr_grpo.yaml"), "model.hf_dir=/checkpoints/Qwen3-1.7B", "--world-size", "8",
+               # the training set is the user's; MATH-500's file has the same fields
+               f"data.path={EXAMPLES.parent / 'megadiv' / 'data' / 'files' / 'math500' / 'test.jsonl'}"],
+              [str(EXAMPLES / "gbmpo" / "gsm8k.yaml"), "--world-size", "8"],
+              [str(EXAMPLES / "gbmpo" / "mbpp.yaml"), "--world-size", "8"],
+              [str(EXAMPLES / "smollm2" / "grpo.yaml"), "--hf-config",
+               str(EXAMPLES / "hf_configs" / "SmolLM2-135M-Instruct" / "config.json"), "--world-size", "2"],
+              [str(EXAMPLES / "tiny" / "grpo.yaml"), str(EXAMPLES / "tiny" / "sglang.yaml"), "--world-size", "2"]]
+    runs += [args + [f"run.output_dir={tmp_path}", f"rollout.server_python={server_python}"] for args in others]
     proc = subprocess.run([sys.executable, "-c", _CHECK_WITHOUT_SGLANG, json.dumps(runs)], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = proc.stderr.split("RC ")[:-1]
     codes = [int(line.split()[0]) for line in proc.stderr.split("RC ")[1:]]
-    assert codes == [0] * len(MODELS), proc.stderr[-3000:]
+    assert codes == [0] * len(runs), proc.stderr[-3000:]
+    auto = "rollout.sync_method: auto -> tensor for servers launched on GPUs the trainer's ranks hold"
     for model, report in zip(MODELS, reports):
-        expected = ("rollout.sync_method: auto -> tensor for servers launched on GPUs the trainer's ranks hold"
-                    if launched[model] else "rollout.sync_method: distributed")
-        assert expected in report, (model.name, report)
-    assert sum("auto -> tensor" in r for r in reports) == 6        # all but the 235B one launch their servers
+        assert (auto if launched[model] else "rollout.sync_method: distributed") in report, (model.name, report)
+    assert sum(auto in r for r in reports[:len(MODELS)]) == 6        # all but the 235B one launch their servers
+    assert all(auto in r for r in reports[len(MODELS):-2])           # ATR-GRPO, GBMPO
+    # the CPU recipes broadcast over gloo (on a GPU machine their servers would need GPUs of their own)
+    assert all("rollout.sync_method: distributed (the launched servers need GPUs of their own" in r
+               for r in reports[-2:])
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda p: p.stem)

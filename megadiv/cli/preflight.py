@@ -72,6 +72,9 @@ def sync_method_note(cfg: TrainConfig) -> str | None:
     r = cfg.rollout
     if resolve_engine_name(r) != "sglang":
         return None
+    if r.sync_method == "distributed" and not r.server_urls:
+        return ("rollout.sync_method: distributed (the launched servers need GPUs of their own on a GPU machine: "
+                "NCCL refuses a group on a GPU the trainer holds; 'auto' picks tensor there)")
     if r.sync_method != "auto":
         return f"rollout.sync_method: {r.sync_method}"
     if r.server_urls:
