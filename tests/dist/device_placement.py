@@ -10,14 +10,14 @@ import torch.distributed as dist
 
 from megadiv.config import ModelConfig, OptimConfig, ParallelConfig, load_config
 from megadiv.parallel import initialize
+from megadiv.policy.batches import SequenceBatch
+from megadiv.policy.megatron import Policy
+from megadiv.policy.objectives import grpo_objective
 from megadiv.rollout import ProbeBatch
 from megadiv.trainer import grpo
 from megadiv.trainer.config import TrainConfig
 from megadiv.trainer.experience import Experience
 from megadiv.trainer.handoff import ReplicaRows
-from megadiv.policy.objectives import grpo_objective
-from megadiv.policy.batches import SequenceBatch
-from megadiv.policy.megatron import Policy
 from tests.device_guard import DeviceGuard
 
 
@@ -71,7 +71,9 @@ def _grpo_step(hf_dir: str, guarded: bool, overrides: list[str] = ()) -> dict:
     actor = Policy(cfg.model, cfg.parallel, "actor", OptimConfig(optimizer="sgd", lr=0.1), 4)
     reference = Policy(cfg.model, cfg.parallel, "reference")
     exp = _experience(8, actor.model.vocab_size)
-    probe = ProbeBatch.random(actor.model.vocab_size, cfg.rollout, seed=1)
+    g = torch.Generator().manual_seed(1)   # the probe's ids: any of the vocabulary, for device placement
+    draw = lambda: torch.randint(0, actor.model.vocab_size, (16,), generator=g).tolist()  # noqa: E731
+    probe = ProbeBatch([draw() for _ in range(4)], [draw() for _ in range(4)])
     params = [p for policy in (actor, reference) for c in policy.chunks for p in c.parameters()]
     guard = DeviceGuard(params) if guarded else contextlib.nullcontext()
     with guard:
